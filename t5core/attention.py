@@ -1,0 +1,124 @@
+"""`T5Attention`: the T5 layer that replaces softmax attention inside a host's attention module.
+
+The host computes q, k, v with its inherited projections and q/k norms, calls this module, and
+applies its inherited output projection to the result (DESIGN.md sections 2 and 4).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from t5core.backend import resolve_backend
+from t5core.config import T5Config
+from t5core.ttt import VARIANTS, t5_attention_ref
+
+__all__ = ["T5Attention"]
+
+FAST_WEIGHT_INIT_STD = 0.02
+
+
+class T5Attention(nn.Module):
+    """Linear-time test-time-training attention with learnable initial fast weights.
+
+    Parameters:
+        heads (`int`): attention heads H.
+        head_dim (`int`): channels per head D.
+        variant (`"swiglu" | "mlp"`, *optional*, defaults to `"swiglu"`): the inner model.
+        key_norm_eps (`float`, *optional*, defaults to 1.0): key instance-norm eps; None disables it.
+        locality (`bool`, *optional*, defaults to True): residual depthwise 3x3 convs on image q, k.
+        backend (`"auto" | "torch" | "triton"`, *optional*, defaults to `"auto"`): see `t5core.backend`.
+
+    Parameter names (the weights-file contract): `w1`, `w2`, `w3` (swiglu only), each (H, D, D);
+    `q_conv.weight`, `k_conv.weight` (H*D, 1, 3, 3) and their biases (H*D,).
+    """
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        variant: str = "swiglu",
+        key_norm_eps: float | None = 1.0,
+        locality: bool = True,
+        *,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}.")
+        if heads < 1 or head_dim < 1:
+            raise ValueError(f"heads and head_dim must be positive; got heads={heads}, head_dim={head_dim}.")
+        self.heads, self.head_dim = heads, head_dim
+        self.variant, self.key_norm_eps, self.locality, self.backend = variant, key_norm_eps, locality, backend
+        n_weights = 3 if variant == "swiglu" else 2
+        for index in range(1, n_weights + 1):
+            self.register_parameter(f"w{index}", nn.Parameter(torch.empty(heads, head_dim, head_dim)))
+        channels = heads * head_dim
+        if locality:
+            self.q_conv = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+            self.k_conv = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+        self.reset_parameters()
+
+    @classmethod
+    def from_config(cls, config: T5Config, heads: int, head_dim: int, *, backend: str = "auto") -> T5Attention:
+        return cls(heads, head_dim, config.variant, config.key_norm_eps, config.locality, backend=backend)
+
+    def reset_parameters(self) -> None:
+        """Fast weights ~ trunc-normal(std 0.02); the convs keep PyTorch's default Conv2d init."""
+        for weight in self.fast_weights():
+            nn.init.trunc_normal_(weight, std=FAST_WEIGHT_INIT_STD)
+        if self.locality:
+            self.q_conv.reset_parameters()
+            self.k_conv.reset_parameters()
+
+    def fast_weights(self) -> tuple[Tensor, ...]:
+        return (self.w1, self.w2, self.w3) if self.variant == "swiglu" else (self.w1, self.w2)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.heads}, head_dim={self.head_dim}, variant={self.variant!r}, "
+            f"key_norm_eps={self.key_norm_eps}, locality={self.locality}, backend={self.backend!r}"
+        )
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        grid: tuple[int, int] | None = None,
+        text_tokens: int = 0,
+        text_first: bool = True,
+    ) -> Tensor:
+        """Attend.
+
+        Args:
+            q, k, v (`Tensor`): `(B, N, H, D)` in any float dtype; N = h*w image tokens + text.
+            grid (`tuple[int, int]`, *optional*): image token grid `(h, w)`; required with locality.
+            text_tokens (`int`, *optional*, defaults to 0): text tokens in the sequence.
+            text_first (`bool`, *optional*, defaults to True): text before (ComfyUI) or after
+                (diffusers) the image tokens.
+
+        Returns:
+            `(B, N, H, D)` in the input dtype. Each sample depends only on itself.
+        """
+        if q.shape[-2:] != (self.heads, self.head_dim):
+            raise ValueError(
+                f"T5Attention was built for {self.heads} heads x {self.head_dim}; got q with "
+                f"(H, D) = {tuple(q.shape[-2:])}."
+            )
+        arguments = dict(
+            weights=self.fast_weights(),
+            variant=self.variant,
+            q_conv=(self.q_conv.weight, self.q_conv.bias) if self.locality else None,
+            k_conv=(self.k_conv.weight, self.k_conv.bias) if self.locality else None,
+            grid=grid,
+            text_tokens=text_tokens,
+            text_first=text_first,
+            key_norm_eps=self.key_norm_eps,
+        )
+        if resolve_backend(self.backend, q, variant=self.variant) == "triton":
+            from kernels import t5_attention
+
+            return t5_attention(q, k, v, **arguments)
+        return t5_attention_ref(q, k, v, **arguments)

@@ -1,0 +1,118 @@
+"""Typed settings shared by every part: the base architecture and the T5 conversion config.
+
+Both are frozen dataclasses. The weights file writes them into its metadata (`to_metadata`) and
+the loader reads them back (`from_metadata`); no untyped dicts travel between modules.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from t5core.ttt import VARIANTS
+
+__all__ = ["BaseArch", "T5Config"]
+
+
+@dataclass(frozen=True, slots=True)
+class BaseArch:
+    """The shape of an SD3-family MMDiT, enough to check that a weights file fits a model.
+
+    Parameters:
+        depth (`int`): number of joint blocks.
+        heads (`int`): attention heads per module.
+        head_dim (`int`): channels per head.
+        dual_attention_layers (`tuple[int, ...]`): blocks that carry an image-only `attn2`.
+        qk_norm (`bool`): whether q and k get a per-head RMSNorm (SD3.5) or not (SD3).
+    """
+
+    depth: int
+    heads: int
+    head_dim: int
+    dual_attention_layers: tuple[int, ...] = ()
+    qk_norm: bool = True
+
+    def __post_init__(self) -> None:
+        if min(self.depth, self.heads, self.head_dim) < 1:
+            raise ValueError(f"depth, heads and head_dim must be positive; got {self}.")
+        bad = [i for i in self.dual_attention_layers if not 0 <= i < self.depth]
+        if bad:
+            raise ValueError(f"dual_attention_layers {bad} are outside blocks 0-{self.depth - 1}.")
+        object.__setattr__(self, "dual_attention_layers", tuple(sorted(set(self.dual_attention_layers))))
+
+    @property
+    def hidden(self) -> int:
+        return self.heads * self.head_dim
+
+    def attention_modules(self) -> tuple[str, ...]:
+        """Every attention module's name, `blocks.{i}.attn` and `blocks.{i}.attn2`, in block order."""
+        names: list[str] = []
+        for i in range(self.depth):
+            names.append(f"blocks.{i}.attn")
+            if i in self.dual_attention_layers:
+                names.append(f"blocks.{i}.attn2")
+        return tuple(names)
+
+    def describe(self) -> str:
+        """A short human name for errors: `SD3.5-Medium-like (24 blocks, 24 heads x 64, attn2 on 0-12)`."""
+        family = "SD3.5" if self.qk_norm else "SD3"
+        dual = self.dual_attention_layers
+        attn2 = f", attn2 on {dual[0]}-{dual[-1]}" if dual else ""
+        return f"{family}-family MMDiT ({self.depth} blocks, {self.heads} heads x {self.head_dim}{attn2})"
+
+    def to_metadata(self) -> str:
+        return json.dumps({**asdict(self), "hidden": self.hidden}, sort_keys=True)
+
+    @classmethod
+    def from_metadata(cls, text: str) -> BaseArch:
+        data = json.loads(text)
+        data.pop("hidden", None)
+        data["dual_attention_layers"] = tuple(data.get("dual_attention_layers", ()))
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class T5Config:
+    """What defines a converted model besides its weights.
+
+    Parameters:
+        variant (`"swiglu" | "mlp"`, *optional*, defaults to `"swiglu"`): the inner model.
+        key_norm_eps (`float`, *optional*, defaults to 1.0): key instance-norm eps; None turns the
+            key norm off (an ablation).
+        locality (`bool`, *optional*, defaults to True): depthwise 3x3 convs on image q and k.
+        layers (`tuple[str, ...]`): the resolved layer spec, module names like `blocks.3.attn`.
+    """
+
+    variant: str = "swiglu"
+    key_norm_eps: float | None = 1.0
+    locality: bool = True
+    layers: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}; got {self.variant!r}.")
+        if self.key_norm_eps is not None and not self.key_norm_eps > 0:
+            raise ValueError(f"key_norm_eps must be positive or None; got {self.key_norm_eps}.")
+        object.__setattr__(self, "layers", tuple(self.layers))
+
+    def to_metadata(self) -> dict[str, str]:
+        return {
+            "t5.variant": self.variant,
+            "t5.key_norm_eps": "none" if self.key_norm_eps is None else repr(float(self.key_norm_eps)),
+            "t5.locality": "true" if self.locality else "false",
+            "t5.layers": ",".join(self.layers),
+        }
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, str]) -> T5Config:
+        eps = metadata["t5.key_norm_eps"]
+        locality = metadata["t5.locality"]
+        if locality not in ("true", "false"):
+            raise ValueError(f"t5.locality must be 'true' or 'false'; got {locality!r}.")
+        layers = tuple(name for name in metadata["t5.layers"].split(",") if name)
+        return cls(
+            variant=metadata["t5.variant"],
+            key_norm_eps=None if eps == "none" else float(eps),
+            locality=locality == "true",
+            layers=layers,
+        )

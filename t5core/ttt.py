@@ -1,0 +1,275 @@
+"""The T5 attention math (DESIGN.md section 2), written once, as the reference.
+
+Legend: B batch, N tokens (image h x w row-major, plus T text tokens first or last), H heads,
+D head dim, h x w latent grid, T text tokens. Public functions take and return the host layout
+(B, N, H, D); internal tensors in head-major layout carry the suffix ``_BHND``.
+
+Per sample and head, with scale = D^-0.5 and lr = 1:
+
+1. key instance norm  k <- (k - mean_N k) / sqrt(var_N k + eps)          (biased variance)
+2. locality           q <- q + DWC_q(q),  k <- k + DWC_k(k)              (image tokens only)
+3. one inner step     W' = W - dL/dW, closed form:
+
+   swiglu  f(x) = (silu(x W1) * (x W2)) W3,  L = -(scale/N) sum_i v_i . f(k_i)
+           e = -(scale/N) v,  z1 = k W1, z2 = k W2, a1 = silu(z1), a2 = a1 * z2, da2 = e W3^T
+           g1 = k^T (da2 * z2 * silu'(z1)),  g2 = k^T (da2 * a1),  g3 = a2^T e
+   mlp     f(x) = silu(x W1) W2,  L = (scale / 2N) sum_i |f(k_i) - v_i|^2
+           e = (f(k) - v) scale/N,  g1 = k^T ((e W2^T) * silu'(z1)),  g2 = a1^T e
+
+   with silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z))).
+4. output             o_i = f_{W'}(q_i)
+
+Statistics, fast-weight gradients and W' are fp32 whatever the input dtype; the output is cast
+back to the input dtype. Nothing here writes into its inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "Variant",
+    "VARIANTS",
+    "apply_locality",
+    "check_layout",
+    "inner_loss",
+    "inner_step",
+    "inner_apply",
+    "key_instance_norm",
+    "t5_attention_ref",
+]
+
+Variant = Literal["swiglu", "mlp"]
+VARIANTS: tuple[str, ...] = ("swiglu", "mlp")
+
+
+def check_layout(
+    q: Tensor, k: Tensor, v: Tensor, *, grid: tuple[int, int] | None, text_tokens: int, needs_grid: bool
+) -> tuple[int, int] | None:
+    """Validate (B, N, H, D) inputs against the grid and text length.
+
+    Returns:
+        The grid `(h, w)` (or None when no grid was given and none is needed).
+
+    Raises:
+        ValueError: shapes disagree, the text length is out of range, or the grid is missing or
+            does not cover the image tokens.
+    """
+    if q.dim() != 4:
+        raise ValueError(f"q must be (B, N, H, D); got a tensor with shape {tuple(q.shape)}.")
+    if q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(
+            f"q, k and v must have the same shape (B, N, H, D); got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}."
+        )
+    if not (q.is_floating_point() and k.is_floating_point() and v.is_floating_point()):
+        raise TypeError(f"q, k and v must be floating point; got {q.dtype}, {k.dtype}, {v.dtype}.")
+    n = q.shape[1]
+    if not 0 <= text_tokens < n:
+        raise ValueError(
+            f"text_tokens must be in [0, N) = [0, {n}); got {text_tokens}. "
+            "The sequence must hold at least one image token."
+        )
+    if grid is None:
+        if needs_grid:
+            raise ValueError(
+                f"grid=(h, w) is required for the locality convs: {n - text_tokens} image tokens "
+                "cannot be laid out without it. Pass the latent token grid (latent H and W divided "
+                "by the patch size)."
+            )
+        return None
+    h, w = (int(x) for x in grid)
+    if h < 1 or w < 1 or h * w != n - text_tokens:
+        raise ValueError(
+            f"grid {tuple(grid)} holds {h * w} image tokens but the sequence has "
+            f"N - text_tokens = {n} - {text_tokens} = {n - text_tokens}. Pass the latent token "
+            "grid (latent H and W divided by the patch size)."
+        )
+    return h, w
+
+
+def key_instance_norm(k: Tensor, eps: float = 1.0) -> Tensor:
+    """Normalise keys per sample and channel over all tokens (biased variance, no affine).
+
+    Args:
+        k (`Tensor`): keys `(B, N, H, D)`.
+        eps (`float`, *optional*, defaults to 1.0): added to the variance inside the square root.
+
+    Returns:
+        `(B, N, H, D)` fp32 normalised keys.
+    """
+    k32 = k.float()
+    var, mean = torch.var_mean(k32, dim=1, keepdim=True, correction=0)
+    return (k32 - mean) * torch.rsqrt(var + eps)
+
+
+def _split_image(x: Tensor, text_tokens: int, text_first: bool) -> tuple[Tensor, Tensor]:
+    n_img = x.shape[1] - text_tokens
+    if text_first:
+        return x[:, text_tokens:], x[:, :text_tokens]
+    return x[:, :n_img], x[:, n_img:]
+
+
+def _join_image(image: Tensor, text: Tensor, text_first: bool) -> Tensor:
+    return torch.cat([text, image], dim=1) if text_first else torch.cat([image, text], dim=1)
+
+
+def apply_locality(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    grid: tuple[int, int],
+    text_tokens: int = 0,
+    text_first: bool = True,
+) -> Tensor:
+    """Residual 3x3 depthwise conv on the image tokens: x + DWC(x); text tokens pass through.
+
+    Args:
+        x (`Tensor`): `(B, N, H, D)`; the image tokens are a row-major `h x w` grid.
+        weight (`Tensor`): `(H*D, 1, 3, 3)` depthwise kernel, channel `c = head * D + d`.
+        bias (`Tensor`, *optional*): `(H*D,)`.
+        grid (`tuple[int, int]`): `(h, w)` with `h * w = N - text_tokens`.
+        text_tokens (`int`, *optional*, defaults to 0): text tokens in the sequence.
+        text_first (`bool`, *optional*, defaults to True): text before (ComfyUI) or after
+            (diffusers) the image tokens.
+
+    Returns:
+        `(B, N, H, D)` fp32.
+    """
+    b, _, heads, dim = x.shape
+    h, w = grid
+    x32 = x.float()
+    image, text = _split_image(x32, text_tokens, text_first)
+    image_BCHW = image.reshape(b, h, w, heads * dim).permute(0, 3, 1, 2)
+    bias32 = None if bias is None else bias.float()
+    conv = F.conv2d(image_BCHW, weight.float(), bias32, padding=1, groups=heads * dim)
+    image = image + conv.permute(0, 2, 3, 1).reshape(b, h * w, heads, dim)
+    return _join_image(image, text, text_first)
+
+
+def _silu_grad(z: Tensor) -> Tensor:
+    s = torch.sigmoid(z)
+    return s * (1 + z * (1 - s))
+
+
+def _fast_forward(x_BHND: Tensor, weights: tuple[Tensor, ...], variant: str) -> Tensor:
+    if variant == "swiglu":
+        w1, w2, w3 = weights
+        return (F.silu(x_BHND @ w1) * (x_BHND @ w2)) @ w3
+    w1, w2 = weights
+    return F.silu(x_BHND @ w1) @ w2
+
+
+def inner_loss(k_BHND: Tensor, v_BHND: Tensor, weights: tuple[Tensor, ...], variant: Variant) -> Tensor:
+    """The inner self-supervised loss summed over batch and heads (the definition the closed form
+    differentiates; used by tests to check `inner_step` against autograd).
+
+    Args:
+        k_BHND, v_BHND (`Tensor`): normalised keys and values `(B, H, N, D)`.
+        weights (`tuple[Tensor, ...]`): `(W1, W2, W3)` for swiglu, `(W1, W2)` for mlp, each
+            `(H, D, D)` or `(B, H, D, D)`.
+        variant (`"swiglu" | "mlp"`): the inner model.
+    """
+    n, dim = k_BHND.shape[-2:]
+    scale = dim**-0.5
+    y = _fast_forward(k_BHND, weights, variant)
+    if variant == "swiglu":
+        return -(scale / n) * (v_BHND * y).sum()
+    return (scale / (2 * n)) * ((y - v_BHND) ** 2).sum()
+
+
+def inner_step(k_BHND: Tensor, v_BHND: Tensor, weights: tuple[Tensor, ...], variant: Variant) -> tuple[Tensor, ...]:
+    """One closed-form gradient step of the inner model over all tokens (lr = 1).
+
+    Args:
+        k_BHND, v_BHND (`Tensor`): fp32 normalised keys and values `(B, H, N, D)`.
+        weights (`tuple[Tensor, ...]`): initial fast weights, each `(H, D, D)`, fp32.
+        variant (`"swiglu" | "mlp"`): the inner model.
+
+    Returns:
+        The updated fast weights W' = W - dL/dW, each `(B, H, D, D)`.
+    """
+    n, dim = k_BHND.shape[-2:]
+    scale = dim**-0.5
+    k_t = k_BHND.transpose(-1, -2)
+    if variant == "swiglu":
+        w1, w2, w3 = weights
+        e = v_BHND * (-scale / n)
+        z1, z2 = k_BHND @ w1, k_BHND @ w2
+        a1 = F.silu(z1)
+        da2 = e @ w3.transpose(-1, -2)
+        g1 = k_t @ (da2 * z2 * _silu_grad(z1))
+        g2 = k_t @ (da2 * a1)
+        g3 = (a1 * z2).transpose(-1, -2) @ e
+        return w1 - g1, w2 - g2, w3 - g3
+    if variant == "mlp":
+        w1, w2 = weights
+        z1 = k_BHND @ w1
+        a1 = F.silu(z1)
+        e = (a1 @ w2 - v_BHND) * (scale / n)
+        g1 = k_t @ ((e @ w2.transpose(-1, -2)) * _silu_grad(z1))
+        g2 = a1.transpose(-1, -2) @ e
+        return w1 - g1, w2 - g2
+    raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}.")
+
+
+def inner_apply(q_BHND: Tensor, weights: tuple[Tensor, ...], variant: Variant) -> Tensor:
+    """Apply the (updated) inner model to the queries: `(B, H, N, D)` -> `(B, H, N, D)`."""
+    return _fast_forward(q_BHND, weights, variant)
+
+
+def t5_attention_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    weights: tuple[Tensor, ...],
+    variant: Variant = "swiglu",
+    q_conv: tuple[Tensor, Tensor | None] | None = None,
+    k_conv: tuple[Tensor, Tensor | None] | None = None,
+    grid: tuple[int, int] | None = None,
+    text_tokens: int = 0,
+    text_first: bool = True,
+    key_norm_eps: float | None = 1.0,
+) -> Tensor:
+    """T5 attention, reference path: key norm, locality, one inner step, apply to queries.
+
+    Args:
+        q, k, v (`Tensor`): `(B, N, H, D)` in any float dtype, as the host's attention computes them
+            (after its per-head q/k RMSNorm).
+        weights (`tuple[Tensor, ...]`): initial fast weights `(W1, W2, W3)` (swiglu) or `(W1, W2)`
+            (mlp), each `(H, D, D)`.
+        variant (`"swiglu" | "mlp"`, *optional*, defaults to `"swiglu"`): the inner model.
+        q_conv, k_conv (`tuple`, *optional*): `(weight (H*D, 1, 3, 3), bias (H*D,))` of the locality
+            convs; both None disables locality.
+        grid (`tuple[int, int]`, *optional*): image token grid `(h, w)`; required with locality.
+        text_tokens (`int`, *optional*, defaults to 0): text tokens in the sequence.
+        text_first (`bool`, *optional*, defaults to True): text before or after the image tokens.
+        key_norm_eps (`float`, *optional*, defaults to 1.0): key instance norm eps; None disables
+            the key norm (an ablation, unstable on pretrained keys).
+
+    Returns:
+        `(B, N, H, D)` in the dtype of `q`.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}.")
+    expected = 3 if variant == "swiglu" else 2
+    if len(weights) != expected:
+        raise ValueError(f"variant {variant!r} takes {expected} fast weights; got {len(weights)}.")
+    if (q_conv is None) != (k_conv is None):
+        raise ValueError("pass both q_conv and k_conv for locality, or neither.")
+    grid = check_layout(q, k, v, grid=grid, text_tokens=text_tokens, needs_grid=q_conv is not None)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        q32, v32 = q.float(), v.float()
+        k32 = k.float() if key_norm_eps is None else key_instance_norm(k, key_norm_eps)
+        if q_conv is not None:
+            q32 = apply_locality(q32, *q_conv, grid=grid, text_tokens=text_tokens, text_first=text_first)
+            k32 = apply_locality(k32, *k_conv, grid=grid, text_tokens=text_tokens, text_first=text_first)
+        fast = inner_step(k32.transpose(1, 2), v32.transpose(1, 2), tuple(w.float() for w in weights), variant)
+        out_BHND = inner_apply(q32.transpose(1, 2), fast, variant)
+    return out_BHND.transpose(1, 2).to(q.dtype)
