@@ -1,0 +1,130 @@
+"""Shared timing and reporting helpers for the benchmark scripts.
+
+Every script in `benchmarks/` times with `time_fn`, starts its table with `header_line()` and saves
+its rows with `write_json`, so numbers from different scripts are taken and recorded the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["RESULTS_DIR", "environment", "header_line", "time_fn", "write_json"]
+
+logger = logging.getLogger(__name__)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 5, reps: int = 20) -> dict[str, float]:
+    """Time `fn()` and return its median and 20 / 80 % quantiles in milliseconds.
+
+    Inputs must be built before the call (only `fn()` is timed). When `fn` uses CUDA, each repetition
+    is timed with CUDA events after a device synchronisation, so queued work is not mistaken for
+    finished work; otherwise wall-clock `perf_counter` is used.
+
+    Args:
+        fn (`Callable[[], Any]`): the work to time; called `warmup + reps` times.
+        warmup (`int`, *optional*, defaults to 5): untimed calls first (compilation, autotuning, caches).
+        reps (`int`, *optional*, defaults to 20): timed calls; at least 2.
+
+    Returns:
+        `{"median_ms", "p20_ms", "p80_ms"}`.
+
+    Raises:
+        ValueError: `reps < 2` or `warmup < 0`.
+    """
+    if reps < 2 or warmup < 0:
+        raise ValueError(f"time_fn needs reps >= 2 and warmup >= 0; got reps={reps}, warmup={warmup}.")
+    for _ in range(warmup):
+        fn()
+    cuda = _cuda_in_use()
+    times_ms: list[float] = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times_ms.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times_ms.append((time.perf_counter() - begin) * 1e3)
+    deciles = statistics.quantiles(times_ms, n=10, method="inclusive")
+    return {"median_ms": statistics.median(times_ms), "p20_ms": deciles[1], "p80_ms": deciles[7]}
+
+
+def _git_commit() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{commit}+dirty" if dirty else commit
+
+
+def environment() -> dict[str, str]:
+    """Device, CUDA, torch, Triton and git commit of this run (for headers and JSON metadata)."""
+    if torch.cuda.is_available():
+        device = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    else:
+        device = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    return {"device": device, "torch": torch.__version__, "triton": triton_version, "commit": _git_commit()}
+
+
+def header_line() -> str:
+    """One line naming device, torch, Triton and commit, to start every benchmark table."""
+    return " | ".join(f"{key}: {value}" for key, value in environment().items())
+
+
+def write_json(name: str, rows: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> Path:
+    """Write `{"meta": ..., "rows": ...}` to `benchmarks/results/<name>.json` atomically.
+
+    `meta` is merged over `environment()`, so every file records where it was measured.
+
+    Returns:
+        The path written.
+    """
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    payload = {"meta": {**environment(), **(meta or {})}, "rows": rows}
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=RESULTS_DIR)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(payload, handle, indent=2, sort_keys=False)
+            handle.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    logger.info("wrote %s", path)
+    return path
