@@ -1,0 +1,287 @@
+"""The T5 weights file (format version 1, DESIGN.md section 4): save, load, validate.
+
+A safetensors file with `blocks.{i}.attn.{param}` / `blocks.{i}.attn2.{param}` tensors (the T5
+parameters of each converted module), optional `base.{key}` tensors (fine-tuned inherited weights in
+SD3 checkpoint naming) and string metadata: `t5.format_version`, the `T5Config` fields (`t5.variant`,
+`t5.key_norm_eps`, `t5.locality`, `t5.layers`), `t5.base` (the `BaseArch` as JSON) and `t5.trainer`
+(free-form provenance as JSON). Every mismatch raises `T5WeightsError` naming the file, the problem
+and the fix. Never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from t5core.attention import T5Attention
+from t5core.config import BaseArch, T5Config
+from t5core.layers import LayerSpec, resolve_layers
+
+__all__ = [
+    "FORMAT_VERSION",
+    "T5Weights",
+    "T5WeightsError",
+    "build_modules",
+    "check_compatible",
+    "expected_shapes",
+    "load",
+    "save",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+BASE_PREFIX = "base."
+
+
+class T5WeightsError(ValueError):
+    """A T5 weights file that cannot serve the request: the message names the file, problem and fix."""
+
+
+class _Converted(Protocol):
+    modules: Mapping[str, T5Attention]
+    config: T5Config
+    arch: BaseArch
+
+
+@dataclass(frozen=True)
+class T5Weights:
+    """A loaded T5 weights file.
+
+    Attributes:
+        path: where it was read from.
+        config: variant, key-norm eps, locality and the converted layers.
+        arch: the base model it was made for.
+        modules: per converted module (`blocks.3.attn`), its tensors by parameter name (`w1`, `q_conv.weight`).
+        base: fine-tuned inherited weights in SD3 checkpoint naming, without the `base.` prefix.
+        provenance: free-form facts about how the file was made (trainer settings, steps, ...).
+    """
+
+    path: str
+    config: T5Config
+    arch: BaseArch
+    modules: dict[str, dict[str, Tensor]]
+    base: dict[str, Tensor] = field(default_factory=dict)
+    provenance: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).name
+
+
+def expected_shapes(config: T5Config, arch: BaseArch) -> dict[str, tuple[int, ...]]:
+    """Shape of every T5 parameter of one converted module for this config and architecture."""
+    d, channels = arch.head_dim, arch.hidden
+    shapes = {f"w{i}": (arch.heads, d, d) for i in range(1, 4 if config.variant == "swiglu" else 3)}
+    if config.locality:
+        for conv in ("q_conv", "k_conv"):
+            shapes[f"{conv}.weight"] = (channels, 1, 3, 3)
+            shapes[f"{conv}.bias"] = (channels,)
+    return shapes
+
+
+def _atomic_save(tensors: dict[str, Tensor], metadata: dict[str, str], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save(
+    path: str | os.PathLike[str],
+    source: _Converted | Mapping[str, T5Attention],
+    *,
+    arch: BaseArch | None = None,
+    config: T5Config | None = None,
+    base: Mapping[str, Tensor] | None = None,
+    provenance: Mapping[str, object] | None = None,
+) -> Path:
+    """Write a T5 weights file atomically (temp file, fsync, rename).
+
+    Args:
+        path: destination `.safetensors` file.
+        source: a conversion handle (`.modules`, `.config`, `.arch`) or a mapping of module name
+            (`blocks.3.attn`) to `T5Attention`; a mapping needs `arch` and `config`.
+        arch: the base model; defaults to the handle's.
+        config: the T5 config; defaults to the handle's. Its `layers` are set to the saved modules.
+        base: fine-tuned inherited weights in SD3 checkpoint naming, stored as `base.{key}`.
+        provenance: facts about how the file was made, stored as JSON in `t5.trainer`.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: missing arch/config, or a module that does not match them.
+    """
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise ValueError(f"{path}: T5 weights files are .safetensors; name the file '{path.stem}.safetensors'.")
+    modules = dict(source.modules if hasattr(source, "modules") else source)
+    arch = arch or getattr(source, "arch", None)
+    config = config or getattr(source, "config", None)
+    if arch is None or config is None:
+        raise ValueError("save() needs arch= and config= when given a plain mapping of modules.")
+    layers = resolve_layers(list(modules), arch)
+    config = T5Config(config.variant, config.key_norm_eps, config.locality, layers)
+    shapes = expected_shapes(config, arch)
+    tensors: dict[str, Tensor] = {}
+    for name in layers:
+        state = modules[name].state_dict()
+        got = {key: tuple(t.shape) for key, t in state.items()}
+        if got != shapes:
+            raise ValueError(f"module {name} has parameters {got}; the config and architecture expect {shapes}.")
+        tensors.update({f"{name}.{key}": t.detach().to("cpu").contiguous() for key, t in state.items()})
+    for key, tensor in (base or {}).items():
+        tensors[BASE_PREFIX + key] = tensor.detach().to("cpu").contiguous()
+    metadata = {
+        "format": "pt",
+        "t5.format_version": str(FORMAT_VERSION),
+        **config.to_metadata(),
+        "t5.base": arch.to_metadata(),
+        "t5.trainer": json.dumps(dict(provenance or {}), sort_keys=True, default=str),
+    }
+    _atomic_save(tensors, metadata, path)
+    logger.info("T5 weights: wrote %d modules (%d base tensors) to %s", len(layers), len(base or {}), path)
+    return path
+
+
+def _fail(path: Path, problem: str, fix: str) -> T5WeightsError:
+    return T5WeightsError(f"{path.name}: {problem} {fix}")
+
+
+def _read(path: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
+    not_ours = "Choose a T5 weights file (.safetensors) written by t5core.weights.save or trainer/run.py."
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise _fail(path, f"is not a readable safetensors file ({error}).", f"The file is corrupt or truncated, or of another format. {not_ours}") from error
+    if "t5.format_version" not in metadata:
+        raise _fail(path, "is a safetensors file but not a T5 weights file (it has no t5.format_version metadata; is it a model checkpoint or a LoRA?).", not_ours)
+    return metadata, tensors
+
+
+def load(path: str | os.PathLike[str]) -> T5Weights:
+    """Read and check a T5 weights file: metadata, and every tensor's presence and shape.
+
+    Raises:
+        FileNotFoundError: no such file.
+        T5WeightsError: not a T5 weights file, a newer format, corrupt or truncated, missing or
+            misshapen tensors, or tensors that do not belong.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"T5 weights file not found: {path}. Check the path, or put the file in ComfyUI/models/t5_linearize/.")
+    metadata, tensors = _read(path)
+    version = metadata["t5.format_version"]
+    if version != str(FORMAT_VERSION):
+        raise _fail(path, f"has format version {version}; this t5core reads version {FORMAT_VERSION}.", "Upgrade this package (or re-export the file with this version).")
+    try:
+        config = T5Config.from_metadata(metadata)
+        arch = BaseArch.from_metadata(metadata["t5.base"])
+        provenance = json.loads(metadata.get("t5.trainer", "{}"))
+        layers = resolve_layers(list(config.layers), arch)
+    except (KeyError, ValueError, TypeError) as error:
+        raise _fail(path, f"has unreadable T5 metadata ({error!r}).", "Re-export it with t5core.weights.save.") from error
+    shapes = expected_shapes(config, arch)
+    modules: dict[str, dict[str, Tensor]] = {name: {} for name in layers}
+    base: dict[str, Tensor] = {}
+    for key, tensor in tensors.items():
+        if key.startswith(BASE_PREFIX):
+            base[key[len(BASE_PREFIX):]] = tensor
+            continue
+        module, _, param = key.rpartition(".")
+        if module.endswith("_conv"):
+            module, _, conv = module.rpartition(".")
+            param = f"{conv}.{param}"
+        if module not in modules or param not in shapes:
+            raise _fail(path, f"holds tensor {key!r}, which is not a T5 parameter of its layers {list(layers)}.", "The file is damaged or was edited; re-export it.")
+        if tuple(tensor.shape) != shapes[param]:
+            raise _fail(
+                path,
+                f"{key} is {tuple(tensor.shape)}, but its metadata ({arch.describe()}, variant {config.variant!r}) expects {shapes[param]}.",
+                "The file is damaged or was edited; re-export it.",
+            )
+        modules[module][param] = tensor
+    for name, params in modules.items():
+        missing = sorted(set(shapes) - set(params))
+        if missing:
+            raise _fail(path, f"is missing {', '.join(f'{name}.{p}' for p in missing)}.", "The file is incomplete (an interrupted copy?); download or export it again.")
+    return T5Weights(str(path), config, arch, modules, base, {str(k): str(v) for k, v in provenance.items()})
+
+
+def _arch_mismatch(weights: T5Weights, arch: BaseArch) -> str:
+    ours, theirs = weights.arch, arch
+    diffs = [
+        f"{field_name} {getattr(ours, field_name)} (file) vs {getattr(theirs, field_name)} (model)"
+        for field_name in ("depth", "heads", "head_dim", "dual_attention_layers", "qk_norm")
+        if getattr(ours, field_name) != getattr(theirs, field_name)
+    ]
+    return "; ".join(diffs)
+
+
+def check_compatible(weights: T5Weights, arch: BaseArch, layers: LayerSpec | None = None) -> tuple[str, ...]:
+    """Check that a file fits a model and can serve a layer request.
+
+    Args:
+        weights: the loaded file.
+        arch: the model's architecture.
+        layers: restricts the conversion to a subset of the file's layers; None takes them all.
+
+    Returns:
+        The module names to convert.
+
+    Raises:
+        T5WeightsError: the file is for another architecture or variant, or lacks requested layers.
+    """
+    path = Path(weights.path)
+    if weights.arch != arch:
+        raise _fail(
+            path,
+            f"was made for a {weights.arch.describe()}, but the model is a {arch.describe()} ({_arch_mismatch(weights, arch)}).",
+            "Use a T5 weights file trained for this model.",
+        )
+    if layers is None:
+        return weights.config.layers
+    try:
+        wanted = resolve_layers(layers, arch)
+    except ValueError as error:
+        raise _fail(path, f"cannot serve layers {layers!r}: {error}", "") from error
+    missing = [name for name in wanted if name not in weights.config.layers]
+    if missing:
+        raise _fail(
+            path,
+            f"holds T5 weights for {len(weights.config.layers)} modules ({','.join(weights.config.layers)}); the request {layers!r} also needs {', '.join(missing)}.",
+            "Ask for a subset of the file's layers, or train a file that covers them.",
+        )
+    return wanted
+
+
+def build_modules(weights: T5Weights, layers: tuple[str, ...], *, backend: str = "auto") -> dict[str, T5Attention]:
+    """Build `T5Attention` modules holding the file's tensors for the given layers."""
+    modules: dict[str, T5Attention] = {}
+    for name in layers:
+        module = T5Attention.from_config(weights.config, weights.arch.heads, weights.arch.head_dim, backend=backend)
+        with torch.no_grad():
+            module.load_state_dict(weights.modules[name], strict=True)
+        modules[name] = module
+    return modules
