@@ -64,7 +64,8 @@ class T5Attention(nn.Module):
         return cls(heads, head_dim, config.variant, config.key_norm_eps, config.locality, backend=backend)
 
     def reset_parameters(self) -> None:
-        """Fast weights ~ trunc-normal(std 0.02); the convs keep PyTorch's default Conv2d init."""
+        """Fast weights ~ trunc-normal(std 0.02, cut at +-2 like the paper's code, so in effect a
+        normal); the convs keep PyTorch's default Conv2d init (not zero, as in the paper's code)."""
         for weight in self.fast_weights():
             nn.init.trunc_normal_(weight, std=FAST_WEIGHT_INIT_STD)
         if self.locality:

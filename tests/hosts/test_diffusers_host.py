@@ -1,0 +1,203 @@
+"""The diffusers host: conversion identities, undo, specs, gradients, checkpointing, weights files."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from t5core import T5Attention
+from t5core import weights as t5w
+from t5core.hosts.diffusers import T5AttnProcessor, arch_of, linearize
+from tests.tiny_models import tiny_inputs, tiny_transformer
+
+
+@pytest.fixture(autouse=True)
+def torch_backend(monkeypatch):
+    monkeypatch.setenv("T5_BACKEND", "torch")
+
+
+def run(model, **overrides):
+    with torch.no_grad():
+        return model(**{**tiny_inputs(), **overrides}).sample
+
+
+@pytest.mark.parametrize("preset", ["sd35_medium_like", "sd35_large_like", "sd3_like"])
+def test_empty_spec_leaves_outputs_bit_identical(preset):
+    model = tiny_transformer(preset)
+    before = run(model)
+    handle = linearize(model, "none")
+    assert handle.modules == {} and torch.equal(run(model), before)
+
+
+UNDO_CASES = [
+    ("sd35_medium_like", "paper"),
+    ("sd35_medium_like", "all"),
+    ("sd35_medium_like", "attn2:1,joint:0"),
+    ("sd35_large_like", "paper"),
+    ("sd35_large_like", "all"),
+    ("sd3_like", "all"),
+]
+
+
+@pytest.mark.parametrize("preset,spec", UNDO_CASES, ids=[f"{p}-{s}" for p, s in UNDO_CASES])
+def test_undo_restores_bit_identical_outputs(preset, spec):
+    model = tiny_transformer(preset)
+    before = run(model)
+    processors = dict(model.attn_processors)
+    handle = linearize(model, spec)
+    assert not torch.allclose(run(model), before)
+    handle.remove()
+    assert torch.equal(run(model), before)
+    assert {k: type(v) for k, v in model.attn_processors.items()} == {k: type(v) for k, v in processors.items()}
+    assert not any(".processor." in name for name, _ in model.named_parameters())
+
+
+def test_paper_and_all_convert_the_right_modules():
+    model = tiny_transformer("sd35_medium_like")
+    handle = linearize(model, "paper")
+    # 3 blocks, attn2 on 0-1: paper = both attn2 + the joint attention of the last (up to) 5 blocks.
+    assert set(handle.modules) == {"blocks.0.attn2", "blocks.1.attn2", "blocks.0.attn", "blocks.1.attn", "blocks.2.attn"}
+    handle.remove()
+    handle = linearize(model, "joint:2,attn2:0")
+    converted = {k for k, v in model.attn_processors.items() if isinstance(v, T5AttnProcessor)}
+    assert converted == {"transformer_blocks.2.attn.processor", "transformer_blocks.0.attn2.processor"}
+    assert model.transformer_blocks[2].attn.processor.t5 is handle.modules["blocks.2.attn"]
+
+
+def test_softmax_modules_next_to_t5_modules_see_no_extra_arguments(caplog):
+    model = tiny_transformer()
+    linearize(model, "attn2:0")
+    with caplog.at_level(logging.WARNING):
+        run(model)
+    assert "not expected" not in caplog.text
+
+
+@pytest.mark.parametrize("latent_hw", [(12, 20), (20, 12), (2, 30), (16, 16)], ids=["6x10", "10x6", "1x15", "8x8"])
+def test_any_aspect_ratio_and_batch_independence(latent_hw):
+    model = tiny_transformer()
+    linearize(model, "all")
+    inputs = tiny_inputs(batch=3, latent_hw=latent_hw)
+    out = run(model, **inputs)
+    single = run(model, **{k: v[1:2] for k, v in inputs.items()})
+    assert out.shape == inputs["hidden_states"].shape and torch.isfinite(out).all()
+    torch.testing.assert_close(single, out[1:2], rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_reach_t5_and_inherited_parameters():
+    model = tiny_transformer().train()
+    handle = linearize(model, "all")
+    model(**tiny_inputs()).sample.square().mean().backward()
+    for param in handle.t5_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0
+    to_q = model.transformer_blocks[0].attn.to_q.weight
+    assert to_q.grad is not None and to_q.grad.abs().sum() > 0
+
+
+def test_gradient_checkpointing_gives_the_same_outputs_and_gradients():
+    plain = tiny_transformer().train()
+    linearize(plain, "all")
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.enable_gradient_checkpointing()
+    inputs = tiny_inputs(latent_hw=(12, 20))
+    results = []
+    for model in (plain, checkpointed):
+        out = model(**inputs).sample
+        out.square().mean().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    assert results[0][1].keys() == results[1][1].keys()
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_convert_on_a_copy_leaves_the_original_untouched():
+    model = tiny_transformer()
+    before = run(model)
+    handle = linearize(model, "all", inplace=False)
+    assert handle.model is not model
+    assert torch.equal(run(model), before)
+    assert not torch.allclose(run(handle.model), before)
+
+
+def train_a_little(model, handle):
+    params = list(handle.t5_parameters()) + [model.transformer_blocks[2].attn.to_q.weight]
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    model.train()
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(**tiny_inputs()).sample.square().mean().backward()
+        optimizer.step()
+    model.eval()
+
+
+def test_save_then_load_into_a_fresh_model_gives_identical_outputs(tmp_path):
+    model = tiny_transformer()
+    handle = linearize(model, "paper")
+    train_a_little(model, handle)
+    trained = run(model)
+    base = handle.base_state_dict(["transformer_blocks.2.attn.to_q.weight"])
+    assert set(base) == {"joint_blocks.2.x_block.attn.qkv.weight"}
+    path = t5w.save(tmp_path / "t5.safetensors", handle, base=base, provenance={"steps": 2})
+
+    fresh = tiny_transformer()
+    original = run(fresh)
+    fresh_handle = linearize(fresh, weights=path)
+    assert fresh_handle.config == handle.config
+    assert torch.equal(run(fresh), trained)
+    fresh_handle.remove()
+    assert torch.equal(run(fresh), original)
+
+
+def test_a_layer_subset_of_a_file(tmp_path):
+    model = tiny_transformer()
+    path = t5w.save(tmp_path / "t5.safetensors", linearize(model, "all"))
+    fresh = tiny_transformer()
+    handle = linearize(fresh, "attn2:*", weights=path)
+    assert set(handle.modules) == {"blocks.0.attn2", "blocks.1.attn2"}
+
+
+def test_a_file_for_another_model_is_refused_and_the_model_is_unchanged(tmp_path):
+    path = t5w.save(tmp_path / "large.safetensors", linearize(tiny_transformer("sd35_large_like"), "all"))
+    model = tiny_transformer("sd35_medium_like")
+    before = run(model)
+    with pytest.raises(t5w.T5WeightsError, match="large.safetensors: was made for .*3 heads"):
+        linearize(model, weights=path)
+    assert torch.equal(run(model), before)
+
+
+def test_a_variant_clash_with_a_file_is_refused(tmp_path):
+    path = t5w.save(tmp_path / "t5.safetensors", linearize(tiny_transformer(), "all"))
+    with pytest.raises(t5w.T5WeightsError, match="holds variant 'swiglu'.*variant='mlp'"):
+        linearize(tiny_transformer(), weights=path, variant="mlp")
+
+
+def test_base_tensors_that_do_not_fit_are_refused_before_anything_changes(tmp_path):
+    handle = linearize(tiny_transformer(), "all")
+    modules = dict(handle.modules)
+    path = t5w.save(tmp_path / "t5.safetensors", modules, arch=handle.arch, config=handle.config,
+                    base={"joint_blocks.0.x_block.attn.proj.weight": torch.zeros(5, 5)})
+    model = tiny_transformer()
+    before = run(model)
+    with pytest.raises(t5w.T5WeightsError, match=r"to_out.0.weight is \(5, 5\)"):
+        linearize(model, weights=path)
+    assert torch.equal(run(model), before)
+
+
+def test_not_an_sd3_model_is_refused():
+    with pytest.raises(TypeError, match="expected a diffusers SD3Transformer2DModel.*got Linear"):
+        linearize(torch.nn.Linear(2, 2))
+
+
+def test_mlp_variant_and_no_locality_convert_and_run():
+    model = tiny_transformer()
+    handle = linearize(model, "all", variant="mlp", locality=False, key_norm_eps=None)
+    module = handle.modules["blocks.0.attn"]
+    assert isinstance(module, T5Attention) and module.variant == "mlp" and not module.locality
+    assert torch.isfinite(run(model)).all()
+
+
+def test_arch_of_reads_the_config():
+    arch = arch_of(tiny_transformer())
+    assert (arch.depth, arch.heads, arch.head_dim, arch.dual_attention_layers, arch.qk_norm) == (3, 2, 16, (0, 1), True)
+    assert arch_of(tiny_transformer("sd3_like")).qk_norm is False

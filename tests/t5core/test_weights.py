@@ -1,0 +1,172 @@
+"""The T5 weights file: round trip, metadata, atomic writes and every refusal."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from t5core import BaseArch, T5Attention, T5Config
+from t5core import weights as t5w
+
+ARCH = BaseArch(depth=3, heads=2, head_dim=8, dual_attention_layers=(0, 1))
+LAYERS = ("blocks.0.attn2", "blocks.2.attn")
+
+
+def make_modules(variant="swiglu", locality=True, seed=0):
+    torch.manual_seed(seed)
+    return {name: T5Attention(2, 8, variant, locality=locality) for name in LAYERS}
+
+
+def write(tmp_path, name="t5.safetensors", variant="swiglu", **kw):
+    modules = make_modules(variant)
+    config = T5Config(variant, 1.0, True, ())
+    path = t5w.save(tmp_path / name, modules, arch=ARCH, config=config, **kw)
+    return path, modules
+
+
+def rewrite(path, *, drop=(), replace=None, metadata=None):
+    """Write a tampered copy of a file: tensors dropped or replaced, metadata changed."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = dict(f.metadata())
+    tensors = {k: v for k, v in load_file(path).items() if k not in drop}
+    tensors.update(replace or {})
+    meta.update(metadata or {})
+    save_file(tensors, str(path), metadata=meta)
+
+
+def test_round_trip_keeps_tensors_config_arch_base_and_provenance(tmp_path):
+    base = {"joint_blocks.2.x_block.attn.proj.weight": torch.randn(16, 16)}
+    path, modules = write(tmp_path, base=base, provenance={"steps": 3, "trainer": "test"})
+    loaded = t5w.load(path)
+    assert loaded.config == T5Config("swiglu", 1.0, True, LAYERS)
+    assert loaded.arch == ARCH
+    assert loaded.provenance == {"steps": "3", "trainer": "test"}
+    assert torch.equal(loaded.base["joint_blocks.2.x_block.attn.proj.weight"], base["joint_blocks.2.x_block.attn.proj.weight"])
+    rebuilt = t5w.build_modules(loaded, LAYERS)
+    for name in LAYERS:
+        for key, tensor in modules[name].state_dict().items():
+            assert torch.equal(rebuilt[name].state_dict()[key], tensor)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [T5Config("mlp", None, False, ()), T5Config("swiglu", 0.25, True, ())],
+    ids=["mlp-nonorm-nolocality", "eps0.25"],
+)
+def test_config_metadata_round_trips(tmp_path, config):
+    torch.manual_seed(0)
+    modules = {name: T5Attention.from_config(config, 2, 8) for name in LAYERS}
+    loaded = t5w.load(t5w.save(tmp_path / "c.safetensors", modules, arch=ARCH, config=config))
+    assert loaded.config == T5Config(config.variant, config.key_norm_eps, config.locality, LAYERS)
+
+
+def test_metadata_follows_the_format(tmp_path):
+    from safetensors import safe_open
+
+    path, _ = write(tmp_path)
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        keys = set(f.keys())
+    assert meta["t5.format_version"] == "1" and meta["t5.variant"] == "swiglu"
+    assert meta["t5.layers"] == "blocks.0.attn2,blocks.2.attn"
+    assert json.loads(meta["t5.base"])["dual_attention_layers"] == [0, 1]
+    assert "blocks.2.attn.q_conv.weight" in keys and "blocks.0.attn2.w3" in keys
+
+
+def test_a_failed_write_leaves_the_previous_file_and_no_temp(tmp_path, monkeypatch):
+    path, _ = write(tmp_path)
+    before = path.read_bytes()
+
+    def explode(*args, **kwargs):
+        Path(args[1]).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(t5w, "save_file", explode)
+    with pytest.raises(OSError, match="disk full"):
+        write(tmp_path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing.safetensors"):
+        t5w.load(tmp_path / "nothing.safetensors")
+
+
+def test_not_a_safetensors_file(tmp_path):
+    path = tmp_path / "t5.safetensors"
+    path.write_bytes(b"PK\x03\x04 this is a zip, maybe a pickle")
+    with pytest.raises(t5w.T5WeightsError, match="t5.safetensors: is not a readable safetensors file"):
+        t5w.load(path)
+
+
+def test_truncated_file(tmp_path):
+    path, _ = write(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(t5w.T5WeightsError, match="corrupt or truncated"):
+        t5w.load(path)
+
+
+def test_a_model_checkpoint_is_not_a_t5_file(tmp_path):
+    path = tmp_path / "sd35.safetensors"
+    save_file({"joint_blocks.0.x_block.attn.qkv.weight": torch.zeros(3, 1)}, str(path))
+    with pytest.raises(t5w.T5WeightsError, match="not a T5 weights file"):
+        t5w.load(path)
+
+
+def test_a_newer_format_is_refused(tmp_path):
+    path, _ = write(tmp_path)
+    rewrite(path, metadata={"t5.format_version": "2"})
+    with pytest.raises(t5w.T5WeightsError, match="format version 2.*Upgrade"):
+        t5w.load(path)
+
+
+def test_a_missing_tensor_is_named(tmp_path):
+    path, _ = write(tmp_path)
+    rewrite(path, drop={"blocks.2.attn.w3"})
+    with pytest.raises(t5w.T5WeightsError, match="missing blocks.2.attn.w3"):
+        t5w.load(path)
+
+
+def test_a_misshapen_tensor_is_named(tmp_path):
+    path, _ = write(tmp_path)
+    rewrite(path, replace={"blocks.0.attn2.w1": torch.zeros(3, 8, 8)})
+    with pytest.raises(t5w.T5WeightsError, match=r"blocks.0.attn2.w1 is \(3, 8, 8\).*expects \(2, 8, 8\)"):
+        t5w.load(path)
+
+
+def test_a_stray_tensor_is_named(tmp_path):
+    path, _ = write(tmp_path)
+    rewrite(path, replace={"blocks.1.attn.w1": torch.zeros(2, 8, 8)})
+    with pytest.raises(t5w.T5WeightsError, match="blocks.1.attn.w1"):
+        t5w.load(path)
+
+
+def test_another_architecture_is_refused_with_the_difference(tmp_path):
+    path, _ = write(tmp_path)
+    other = BaseArch(depth=3, heads=3, head_dim=8, dual_attention_layers=(0, 1))
+    with pytest.raises(t5w.T5WeightsError, match="heads 2 \\(file\\) vs 3 \\(model\\).*trained for this model"):
+        t5w.check_compatible(t5w.load(path), other)
+
+
+def test_a_layer_request_must_be_a_subset_of_the_file(tmp_path):
+    path, _ = write(tmp_path)
+    loaded = t5w.load(path)
+    assert t5w.check_compatible(loaded, ARCH, "joint:2") == ("blocks.2.attn",)
+    assert t5w.check_compatible(loaded, ARCH) == LAYERS
+    with pytest.raises(t5w.T5WeightsError, match="also needs blocks.1.attn"):
+        t5w.check_compatible(loaded, ARCH, "joint:1-2")
+
+
+def test_save_refuses_a_module_that_does_not_fit(tmp_path):
+    modules = make_modules()
+    modules["blocks.2.attn"] = T5Attention(2, 8, "mlp")
+    with pytest.raises(ValueError, match="blocks.2.attn has parameters"):
+        t5w.save(tmp_path / "x.safetensors", modules, arch=ARCH, config=T5Config())
+    with pytest.raises(ValueError, match=".safetensors"):
+        t5w.save(tmp_path / "x.pt", make_modules(), arch=ARCH, config=T5Config())
