@@ -1,0 +1,24 @@
+"""The public names of t5core, and what importing it pulls in."""
+
+import subprocess
+import sys
+
+import t5core
+from t5core import attention, config, layers, weights
+
+
+def test_t5core_all_is_exact_and_re_exports_the_sources():
+    assert t5core.__all__ == ["BaseArch", "T5Attention", "T5Config", "T5Weights", "T5WeightsError", "resolve_layers"]
+    assert t5core.T5Attention is attention.T5Attention
+    assert t5core.BaseArch is config.BaseArch and t5core.T5Config is config.T5Config
+    assert t5core.resolve_layers is layers.resolve_layers
+    assert t5core.T5WeightsError is weights.T5WeightsError and t5core.T5Weights is weights.T5Weights
+
+
+def test_importing_t5core_loads_neither_comfy_triton_trainer_nor_diffusers():
+    code = (
+        "import sys, t5core, t5core.weights, t5core.ttt, t5core.layers;"
+        "print(sorted(m for m in ('comfy', 'triton', 'trainer', 'diffusers', 'kernels', 'nodes') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
