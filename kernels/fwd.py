@@ -1,0 +1,274 @@
+"""Forward passes of T5 attention: the inner step (`t5core.ttt.inner_step` on keys prepared by
+`t5core.ttt.key_instance_norm` and `t5core.ttt.apply_locality`) and the apply pass
+(`t5core.ttt.inner_apply` on queries prepared by `apply_locality`).
+
+Legend: B batch, N tokens, H heads, D head dim, h x w latent grid, T text tokens, S token splits,
+P = B*H, NW fast weights (3 swiglu, 2 mlp). Activations are contiguous (B, N, H, D); fast weights
+are fp32 `(H, NW, D, D)` (initial) or `(P, NW, D, D)` (updated); conv taps `(H, 9, D)`, bias `(H, D)`.
+
+The inner-step kernel accumulates gradient sums without the scale/N factor (it would underflow
+fp16 operands at 2K); the combine applies it in fp32: W' = W - SIGN * scale/N * sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch import Plan
+from kernels.reduce import combine
+from kernels.tiles import conv_tile, image_position, load_rows, mm, norm_stats
+
+__all__ = ["error_sign", "inner_apply_fwd", "inner_step_fwd"]
+
+_LAYOUT_ARGS = ["n_tokens", "text_tokens", "n_image", "grid_h", "grid_w", "tiles_per_split"]
+
+
+def error_sign(variant: str) -> float:
+    """e = SIGN * scale/N * e_u with e_u = v (swiglu, e = -scale/N v) or f(k) - v (mlp)."""
+    return -1.0 if variant == "swiglu" else 1.0
+
+
+@triton.jit(do_not_specialize=_LAYOUT_ARGS)
+def inner_step_fwd_kernel(
+    k_ptr,
+    v_ptr,
+    w_ptr,
+    stats_ptr,
+    taps_ptr,
+    bias_ptr,
+    part_ptr,
+    n_tokens,
+    text_tokens,
+    n_image,
+    grid_h,
+    grid_w,
+    tiles_per_split,
+    eps,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    NW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_CONV: tl.constexpr,
+    TEXT_FIRST: tl.constexpr,
+    DT: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    n_pairs = tl.num_programs(0)
+    h = bh % H
+    row_offset = (bh // H).to(tl.int64) * n_tokens * H * D + h * D
+    k_base = k_ptr + row_offset
+    v_base = v_ptr + row_offset
+    offs_d = tl.arange(0, D)
+    offs_dd = offs_d[:, None] * D + offs_d[None, :]
+    offs_dd_t = offs_d[None, :] * D + offs_d[:, None]
+    mean, rstd = norm_stats(stats_ptr + bh * 2 * D, k_base, n_tokens, eps, offs_d, D, HAS_NORM)
+    taps = taps_ptr + h * 9 * D
+    bias = bias_ptr + h * D
+    w_head = w_ptr + h * NW * D * D
+    w1 = tl.load(w_head + offs_dd)  # [D, D]
+    g1 = tl.zeros([D, D], dtype=tl.float32)
+    g2 = tl.zeros([D, D], dtype=tl.float32)
+    if SWIGLU:
+        w2 = tl.load(w_head + D * D + offs_dd)
+        w3_t = tl.load(w_head + 2 * D * D + offs_dd_t)
+        g3 = tl.zeros([D, D], dtype=tl.float32)
+    else:
+        w2_t = tl.load(w_head + D * D + offs_dd_t)
+        w2 = tl.load(w_head + D * D + offs_dd)
+    for i in range(tiles_per_split):
+        tok = (split * tiles_per_split + i).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = tok < n_tokens
+        is_image, row, col = image_position(tok, n_tokens, text_tokens, n_image, grid_w, TEXT_FIRST)
+        k2 = conv_tile(
+            k_base,
+            H * D,
+            tok,
+            offs_d,
+            valid,
+            is_image,
+            row,
+            col,
+            grid_h,
+            grid_w,
+            mean,
+            rstd,
+            taps,
+            bias,
+            D,
+            HAS_NORM,
+            HAS_CONV,
+            False,
+        )  # [BLOCK_N, D], 0 on rows past N
+        v = load_rows(v_base, H * D, tok, offs_d, valid, mean, rstd, False)
+        z1 = mm(k2, w1, DT)
+        sig = tl.sigmoid(z1)
+        a1 = z1 * sig
+        silu_grad = sig * (1.0 + z1 * (1.0 - sig))
+        k2_t = tl.trans(k2)
+        if SWIGLU:
+            z2 = mm(k2, w2, DT)
+            da2 = mm(v, w3_t, DT)
+            g1 += mm(k2_t, da2 * z2 * silu_grad, DT)
+            g2 += mm(k2_t, da2 * a1, DT)
+            g3 += mm(tl.trans(a1 * z2), v, DT)
+        else:
+            e = mm(a1, w2, DT) - v
+            g1 += mm(k2_t, mm(e, w2_t, DT) * silu_grad, DT)
+            g2 += mm(tl.trans(a1), e, DT)
+    out = part_ptr + (split.to(tl.int64) * n_pairs + bh) * NW * D * D
+    tl.store(out + offs_dd, g1)
+    tl.store(out + D * D + offs_dd, g2)
+    if SWIGLU:
+        tl.store(out + 2 * D * D + offs_dd, g3)
+
+
+@triton.jit(do_not_specialize=["n_tokens", "text_tokens", "n_image", "grid_h", "grid_w"])
+def inner_apply_fwd_kernel(
+    q_ptr,
+    w_ptr,
+    taps_ptr,
+    bias_ptr,
+    out_ptr,
+    n_tokens,
+    text_tokens,
+    n_image,
+    grid_h,
+    grid_w,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    NW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    HAS_CONV: tl.constexpr,
+    TEXT_FIRST: tl.constexpr,
+    DT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    h = bh % H
+    row_offset = (bh // H).to(tl.int64) * n_tokens * H * D + h * D
+    offs_d = tl.arange(0, D)
+    offs_dd = offs_d[:, None] * D + offs_d[None, :]
+    tok = tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid = tok < n_tokens
+    is_image, row, col = image_position(tok, n_tokens, text_tokens, n_image, grid_w, TEXT_FIRST)
+    no_norm = tl.zeros([D], dtype=tl.float32)
+    q2 = conv_tile(
+        q_ptr + row_offset,
+        H * D,
+        tok,
+        offs_d,
+        valid,
+        is_image,
+        row,
+        col,
+        grid_h,
+        grid_w,
+        no_norm,
+        no_norm,
+        taps_ptr + h * 9 * D,
+        bias_ptr + h * D,
+        D,
+        False,
+        HAS_CONV,
+        False,
+    )  # [BLOCK_N, D]
+    w_pair = w_ptr + bh.to(tl.int64) * NW * D * D
+    a1 = mm(q2, tl.load(w_pair + offs_dd), DT)
+    a1 = a1 * tl.sigmoid(a1)
+    if SWIGLU:
+        a2 = a1 * mm(q2, tl.load(w_pair + D * D + offs_dd), DT)
+        o = mm(a2, tl.load(w_pair + 2 * D * D + offs_dd), DT)
+    else:
+        o = mm(a1, tl.load(w_pair + D * D + offs_dd), DT)
+    out = out_ptr + row_offset + tok[:, None] * (H * D) + offs_d[None, :]
+    tl.store(out, o.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+def inner_step_fwd(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    weights: torch.Tensor,
+    stats: torch.Tensor | None,
+    conv: tuple[torch.Tensor, torch.Tensor] | None,
+    *,
+    plan: Plan,
+    variant: str,
+    eps: float,
+) -> torch.Tensor:
+    """Updated fast weights W' `(B*H, NW, D, D)` fp32 from keys and values `(B, N, H, D)`.
+
+    `stats` are the key sums of `key_stats_fwd` (None: no key norm); `conv` the key conv's
+    `(taps (H, 9, D), bias (H, D))` (None: no locality).
+    """
+    n_weights = weights.shape[1]
+    partials = torch.empty(
+        plan.splits, plan.programs, n_weights, plan.head_dim, plan.head_dim, device=k.device, dtype=torch.float32
+    )
+    taps, bias = conv if conv is not None else (weights, weights)
+    inner_step_fwd_kernel[(plan.programs, plan.splits)](
+        k,
+        v,
+        weights,
+        stats if stats is not None else weights,
+        taps,
+        bias,
+        partials,
+        plan.tokens,
+        plan.text_tokens,
+        plan.n_image,
+        plan.grid_h,
+        plan.grid_w,
+        plan.tiles_per_split,
+        eps,
+        H=plan.heads,
+        D=plan.head_dim,
+        NW=n_weights,
+        BLOCK_N=plan.block_n,
+        SWIGLU=variant == "swiglu",
+        HAS_NORM=stats is not None,
+        HAS_CONV=conv is not None,
+        TEXT_FIRST=plan.text_first,
+        DT=plan.dot_dtype,
+    )
+    coef = -error_sign(variant) * plan.head_dim**-0.5 / plan.tokens
+    return combine(partials, coef, base=weights)
+
+
+def inner_apply_fwd(
+    q: torch.Tensor,
+    fast: torch.Tensor,
+    conv: tuple[torch.Tensor, torch.Tensor] | None,
+    *,
+    plan: Plan,
+    variant: str,
+) -> torch.Tensor:
+    """f_{W'}(q + DWC(q)) per token: `(B, N, H, D)` in q's dtype, from W' `(B*H, NW, D, D)`."""
+    out = torch.empty_like(q)
+    taps, bias = conv if conv is not None else (fast, fast)
+    inner_apply_fwd_kernel[(plan.tiles, plan.programs)](
+        q,
+        fast,
+        taps,
+        bias,
+        out,
+        plan.tokens,
+        plan.text_tokens,
+        plan.n_image,
+        plan.grid_h,
+        plan.grid_w,
+        H=plan.heads,
+        D=plan.head_dim,
+        NW=fast.shape[1],
+        BLOCK_N=plan.block_n,
+        SWIGLU=variant == "swiglu",
+        HAS_CONV=conv is not None,
+        TEXT_FIRST=plan.text_first,
+        DT=plan.dot_dtype,
+    )
+    return out
