@@ -1,0 +1,111 @@
+"""The "T5 Linearize" node: an SD3 / SD3.5 MODEL in, the same MODEL running T5 attention out.
+
+Weights files live in `ComfyUI/models/t5_linearize/` (or any `t5_linearize:` path of
+`extra_model_paths.yaml`); only `.safetensors` files are listed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import folder_paths
+from comfy_api.latest import ComfyExtension, io
+from typing_extensions import override
+
+from t5core.hosts import comfy as comfy_host
+
+__all__ = ["FOLDER", "T5Linearize", "T5LinearizeExtension"]
+
+logger = logging.getLogger(__name__)
+
+FOLDER = "t5_linearize"
+CATEGORY = "T5"
+
+
+def register_folder() -> None:
+    """Register `models/t5_linearize` (first in the list) and restrict it to `.safetensors`.
+
+    Paths already added from `extra_model_paths.yaml` are kept.
+    """
+    folder_paths.add_model_folder_path(FOLDER, os.path.join(folder_paths.models_dir, FOLDER), is_default=True)
+    paths, _ = folder_paths.folder_names_and_paths[FOLDER]
+    folder_paths.folder_names_and_paths[FOLDER] = (paths, {".safetensors"})
+
+
+register_folder()
+
+
+class T5Linearize(io.ComfyNode):
+    """Swap SD3 / SD3.5 softmax attention for T5 (linear-time test-time-training) attention."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="T5Linearize",
+            display_name="T5 Linearize",
+            category=CATEGORY,
+            description=(
+                "Runs the attention of an SD3 / SD3.5 model as T5 attention: linear time in the number of "
+                "image tokens, so large images sample faster. The weights file says which attention modules "
+                "it converts and holds their trained T5 weights; it must match the model (SD3.5 Medium, "
+                "SD3.5 Large, ...). The incoming model is not changed: remove or bypass this node to get "
+                "softmax attention back."
+            ),
+            inputs=[
+                io.Model.Input("model", tooltip="An SD3 Medium, SD3.5 Medium or SD3.5 Large model."),
+                io.Combo.Input(
+                    "weights",
+                    options=folder_paths.get_filename_list(FOLDER),
+                    tooltip=(
+                        "T5 weights file (.safetensors) from ComfyUI/models/t5_linearize/, trained for this "
+                        "model. Press R to refresh the list after adding files."
+                    ),
+                ),
+                io.String.Input(
+                    "layers",
+                    default="",
+                    placeholder="all layers in the file",
+                    tooltip=(
+                        "Empty: convert every attention module the file holds. Otherwise a subset of them, "
+                        "to trade speed for quality: 'paper', 'joint:18-23', 'attn2:0-12', 'blocks.20.attn', "
+                        "comma separated. Fewer converted modules = closer to the original, slower at high "
+                        "resolution."
+                    ),
+                ),
+                io.Boolean.Input(
+                    "enabled",
+                    default=True,
+                    label_on="T5 attention",
+                    label_off="off (original model)",
+                    tooltip="Off passes the model through unchanged, exactly like bypassing the node.",
+                ),
+            ],
+            outputs=[io.Model.Output(tooltip="The model running T5 attention on the converted modules.")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, weights: str | None = None, enabled: bool | None = True) -> bool | str:
+        if enabled is False or weights is None:
+            return True
+        if weights not in folder_paths.get_filename_list(FOLDER):
+            folders = ", ".join(folder_paths.get_folder_paths(FOLDER))
+            return (
+                f"T5 weights file {weights!r} is not in the t5_linearize models folder ({folders}). "
+                "Put the .safetensors file there and refresh (R), or pick one from the list."
+            )
+        return True
+
+    @classmethod
+    def execute(cls, model, weights: str, layers: str = "", enabled: bool = True) -> io.NodeOutput:
+        if not enabled:
+            return io.NodeOutput(model)
+        path = folder_paths.get_full_path_or_raise(FOLDER, weights)
+        spec = layers.strip() if layers else ""
+        return io.NodeOutput(comfy_host.linearize(model, path, spec or None))
+
+
+class T5LinearizeExtension(ComfyExtension):
+    @override
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return [T5Linearize]

@@ -1,0 +1,182 @@
+"""ComfyUI for the tests that need it (DESIGN.md section 6), and the tiny assets they run on.
+
+ComfyUI is not a PyPI package. It is looked up in this order: `COMFYUI_PATH`, an enclosing ComfyUI
+(this repository inside `custom_nodes/`), then `~/comfy/ComfyUI` (comfy-cli's default workspace).
+Nothing found: the tests skip with that explanation. A tree that is found but cannot be imported, or
+that does not load this node pack, is a failure with its reason.
+
+ComfyUI runs on CUDA when torch sees a GPU and on CPU otherwise, from a throw-away base directory
+(its own `models/`, `output/`), with this repository loaded the way ComfyUI loads a custom node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from t5core import T5Attention, T5Config
+from t5core.config import BaseArch
+from t5core.weights import save as save_t5_weights
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TESTING_NODES = Path(__file__).resolve().parent / "nodes" / "comfy_testing_nodes.py"
+DEFAULT_TREE = Path.home() / "comfy" / "ComfyUI"
+
+
+@dataclass(frozen=True)
+class ComfyEnv:
+    """A ComfyUI imported in this process, with this pack and the testing nodes loaded."""
+
+    root: Path
+    base_dir: Path
+    device: torch.device
+    nodes: ModuleType
+
+    @property
+    def models_dir(self) -> Path:
+        return self.base_dir / "models"
+
+    @property
+    def output_dir(self) -> Path:
+        return self.base_dir / "output"
+
+
+def _is_tree(path: Path) -> bool:
+    return all((path / name).is_file() for name in ("main.py", "nodes.py", "folder_paths.py", "comfy/model_patcher.py"))
+
+
+def locate() -> Path | None:
+    """The ComfyUI tree to test against, or None when there is none.
+
+    Raises:
+        FileNotFoundError: `COMFYUI_PATH` is set but is not a ComfyUI tree.
+    """
+    explicit = os.environ.get("COMFYUI_PATH")
+    if explicit:
+        path = Path(explicit).expanduser().resolve()
+        if not _is_tree(path):
+            raise FileNotFoundError(f"COMFYUI_PATH={explicit} is not a ComfyUI tree (no main.py, nodes.py, comfy/). Fix or unset it.")
+        return path
+    for parent in REPO_ROOT.parents:
+        if parent.name == "custom_nodes" and _is_tree(parent.parent):
+            return parent.parent
+    return DEFAULT_TREE if _is_tree(DEFAULT_TREE) else None
+
+
+def _load_pack(nodes: ModuleType, path: Path) -> None:
+    """Load a custom node pack the way ComfyUI does; fail with ComfyUI's own log lines if it refuses."""
+    records: list[logging.LogRecord] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = _Collect(logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    try:
+        loaded = asyncio.run(nodes.load_custom_node(str(path)))
+    finally:
+        logging.getLogger().removeHandler(handler)
+    if not loaded:
+        details = " | ".join(record.getMessage() for record in records) or "no log output"
+        pytest.fail(f"ComfyUI refused to load the custom node pack {path}: {details}", pytrace=False)
+
+
+def _import_comfy(root: Path, base_dir: Path, cpu: bool) -> ModuleType:
+    """Import ComfyUI from `root` as `main.py` would. Its `nodes.py` must win over this repository's
+    `nodes/` package, and its `utils/` package over `comfy/utils.py` (nodes.py puts `comfy/` first on
+    sys.path), so ComfyUI is first on sys.path while its modules are imported, then moves to the end."""
+    loaded = sys.modules.get("nodes")
+    if loaded is not None and not str(getattr(loaded, "__file__", "")).startswith(str(root)):
+        pytest.fail(
+            f"`nodes` is already imported from {getattr(loaded, '__file__', loaded)}, which hides ComfyUI's nodes.py. "
+            "Do not import this repository's `nodes` package as a top-level module in tests.",
+            pytrace=False,
+        )
+    sys.path.insert(0, str(root))
+    try:
+        from comfy.cli_args import args
+
+        args.cpu = cpu
+        args.base_directory = str(base_dir)
+        args.disable_auto_launch = True
+        for name in ("folder_paths", "utils.install_util", "comfy.model_management", "nodes", "execution", "server"):
+            importlib.import_module(name)
+        nodes = sys.modules["nodes"]
+        asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
+    finally:
+        sys.path.remove(str(root))
+        sys.path.append(str(root))
+    return nodes
+
+
+_ENV: ComfyEnv | None = None
+
+
+def comfy_env(base_dir: Path) -> ComfyEnv:
+    """Import ComfyUI once per session (skips or fails as the module docstring says)."""
+    global _ENV
+    if _ENV is not None:
+        return _ENV
+    root = locate()
+    if root is None:
+        pytest.skip(
+            f"ComfyUI not found: set COMFYUI_PATH, put this repository in ComfyUI/custom_nodes/, or install "
+            f"ComfyUI at {DEFAULT_TREE} (comfy-cli's default workspace)."
+        )
+    cpu = not torch.cuda.is_available()
+    try:
+        nodes = _import_comfy(root, base_dir, cpu)
+    except Exception as error:  # any import-time error of the tree is the failure being reported
+        pytest.fail(
+            f"ComfyUI at {root} cannot be imported: {error!r}. Install its requirements "
+            f"(pip install -r {root / 'requirements.txt'}, without torch/torchvision/torchaudio).",
+            pytrace=False,
+        )
+    _load_pack(nodes, REPO_ROOT)
+    _load_pack(nodes, TESTING_NODES)
+    import comfy.model_management
+
+    _ENV = ComfyEnv(root, base_dir, comfy.model_management.get_torch_device(), nodes)
+    return _ENV
+
+
+def write_checkpoint(path: Path, transformer: torch.nn.Module, *, prefix: str = "model.diffusion_model.") -> Path:
+    """Save a diffusers SD3 transformer as an SD3-format checkpoint (SD3 key names, `prefix`)."""
+    from t5core.hosts.diffusers import arch_of
+    from t5core.sd3_keys import diffusers_to_sd3
+
+    state = diffusers_to_sd3(transformer.state_dict(), arch_of(transformer))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({prefix + key: tensor.contiguous() for key, tensor in state.items()}, str(path))
+    return path
+
+
+def write_t5_weights(
+    path: Path,
+    arch: BaseArch,
+    layers: tuple[str, ...],
+    *,
+    seed: int = 0,
+    fast_weight_std: float = 0.3,
+    base: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """A T5 weights file with seeded random modules for `layers` (std raised so T5 visibly matters)."""
+    torch.manual_seed(seed)
+    config = T5Config("swiglu", 1.0, True, layers)
+    modules = {name: T5Attention.from_config(config, arch.heads, arch.head_dim) for name in layers}
+    with torch.no_grad():
+        for module in modules.values():
+            for weight in module.fast_weights():
+                weight.normal_(0.0, fast_weight_std)
+    return save_t5_weights(path, modules, arch=arch, config=config, base=base, provenance={"made_by": "tests"})
