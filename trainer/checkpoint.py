@@ -1,0 +1,209 @@
+"""`CheckpointManager`: periodic, atomic checkpoints of everything a run needs to continue exactly.
+
+A checkpoint is a folder `checkpoints/step-N` holding `model.safetensors` (the trained parameters,
+gathered to full tensors, so DDP, FSDP2 and any world size read it), `optimizer.pt` (the optimizer's
+full state: tensors and numbers only, read back with `weights_only=True`), `rng-{rank}.pt` (each
+rank's torch / Python / NumPy RNG) and `state.json` (step, scheduler, data position, config),
+written last. It is assembled in a hidden temp folder and renamed into place, so a crash mid-write
+leaves the earlier checkpoints untouched. Rank 0 writes the shared files; on a multi-node run the
+output folder must be on a filesystem every node sees.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from trainer.distributed import World
+
+__all__ = ["CheckpointManager", "Resumed"]
+
+logger = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+STATE_FILE = "state.json"
+
+
+def _rng_state() -> dict[str, Any]:
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": [list(item) if isinstance(item, tuple) else item for item in random.getstate()],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached],
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """What a loaded checkpoint says: the step reached and the rest of `state.json`."""
+
+    path: Path
+    step: int
+    state: dict[str, Any]
+
+
+class CheckpointManager:
+    """Saves and restores model, optimizer, scheduler, step, data position and RNG.
+
+    Args:
+        folder: the checkpoints folder (`<output.dir>/checkpoints`).
+        world: this process's `World` (saving and loading are collective calls).
+        keep: how many newest checkpoints to keep.
+    """
+
+    def __init__(self, folder: str | Path, world: World, *, keep: int) -> None:
+        self.folder, self.world, self.keep = Path(folder), world, keep
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints (those with `state.json`), oldest first."""
+        if not self.folder.is_dir():
+            return []
+        found = []
+        for entry in self.folder.iterdir():
+            match = _STEP_DIR.match(entry.name)
+            if match and (entry / STATE_FILE).is_file():
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        steps = self.steps()
+        return self.folder / f"step-{steps[-1]}" if steps else None
+
+    def _agree(self, ok: bool) -> bool:
+        """True only if every rank's `ok` is True (one failing rank stops all, nobody hangs)."""
+        flag = torch.tensor([1 if ok else 0], device=self.world.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        state: dict[str, Any],
+    ) -> Path:
+        """Write `step-{step}` atomically (collective). Returns its path.
+
+        Raises:
+            OSError: the checkpoint could not be written on some rank; earlier checkpoints are kept.
+        """
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
+        final = self.folder / f"step-{step}"
+        temp = self.folder / f".step-{step}.tmp"
+        error: BaseException | None = None
+        try:
+            if self.world.is_main:
+                shutil.rmtree(temp, ignore_errors=True)
+                temp.mkdir(parents=True)
+        except OSError as caught:
+            error = caught
+        if self._agree(error is None):
+            try:
+                torch.save(_rng_state(), temp / f"rng-{self.world.rank}.pt")
+            except OSError as caught:
+                error = caught
+        if self._agree(error is None) and self.world.is_main:
+            try:
+                save_file({k: v.contiguous() for k, v in model_state.items()}, str(temp / "model.safetensors"))
+                torch.save(optim_state, temp / "optimizer.pt")
+                payload = {"step": step, "scheduler": scheduler.state_dict(), **state}
+                (temp / STATE_FILE).write_text(json.dumps(payload, indent=1, default=str), encoding="utf-8")
+                self._move_into_place(temp, final)
+                self._prune()
+            except OSError as caught:
+                error = caught
+        if not self._agree(error is None):
+            if self.world.is_main:
+                shutil.rmtree(temp, ignore_errors=True)
+            raise OSError(
+                f"could not write checkpoint {final} ({error or 'failed on another rank'}); the earlier "
+                "checkpoints are intact. Free disk space or fix the folder's permissions, then resume."
+            ) from error
+        logger.info("Checkpoint: saved step %d to %s", step, final)
+        return final
+
+    def _move_into_place(self, temp: Path, final: Path) -> None:
+        if final.exists():
+            stale = final.with_name(f".{final.name}.old")
+            shutil.rmtree(stale, ignore_errors=True)
+            os.replace(final, stale)
+            os.replace(temp, final)
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            os.replace(temp, final)
+
+    def _prune(self) -> None:
+        for old in self.steps()[: -self.keep]:
+            shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
+
+    def load(
+        self,
+        path: str | Path,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+    ) -> Resumed:
+        """Restore a checkpoint into the (wrapped) model, optimizer, scheduler and RNG (collective).
+
+        Rank 0 reads the files and broadcasts; each rank restores its own RNG when the world size
+        is unchanged (otherwise the rank seeds of the new world stay in force, with a warning).
+
+        Raises:
+            FileNotFoundError: `path` is not a complete checkpoint.
+        """
+        path = Path(path)
+        if not (path / STATE_FILE).is_file():
+            raise FileNotFoundError(
+                f"{path} is not a complete checkpoint (no {STATE_FILE}). Give a checkpoints/step-N folder "
+                "of an earlier run, or --checkpoint.resume auto."
+            )
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        model_state: dict[str, torch.Tensor] = {}
+        optim_state: dict[str, Any] = {}
+        if self.world.is_main:
+            model_state = load_file(str(path / "model.safetensors"))
+            optim_state = torch.load(path / "optimizer.pt", weights_only=True)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=model_state,
+            optim_state_dict=optim_state,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
+        )
+        scheduler.load_state_dict(state.pop("scheduler"))
+        rng_file = path / f"rng-{self.world.rank}.pt"
+        if state.get("world_size") == self.world.world_size and rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, weights_only=True))
+        else:
+            logger.warning("Checkpoint: world size changed; ranks keep their fresh RNG seeds")
+        logger.info("Checkpoint: resumed from %s (step %d)", path, state["step"])
+        return Resumed(path, int(state["step"]), state)

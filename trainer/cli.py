@@ -1,0 +1,243 @@
+"""Flags, `--help` and TOML files generated from the config sections in `trainer.config`.
+
+Each field `x` of section `s` is the flag `--s.x` and the key `x` of the TOML table `[s]`; its help
+text is the field's docstring. Precedence: defaults < `--config FILE` < flags. Unknown TOML keys are
+errors (a typo never passes silently).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import os
+import sys
+import tempfile
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from trainer.config import TrainConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+__all__ = ["config_to_toml", "load_toml", "parse_args", "save_config"]
+
+_NONE = "none"
+
+
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (read from its source)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(TrainConfig)
+    return {name: hints[name] for name in TrainConfig.sections()}
+
+
+def _converter(hint: Any, flag: str) -> tuple[Any, list[str] | None]:
+    """A string -> value parser for a field type, and its choices for `--help`."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return str, [str(choice) for choice in typing.get_args(hint)]
+    if origin in (typing.Union, types.UnionType):
+        inner = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        parse, _ = _converter(inner[0], flag)
+
+        def optional(text: str) -> Any:
+            return None if text.lower() == _NONE else parse(text)
+
+        return optional, None
+    if hint is bool:
+        return _parse_bool, None
+    if hint in (int, float, str):
+        return hint, None
+    raise TypeError(f"config field {flag} has type {hint}, which the CLI cannot parse.")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser: `--config` plus one flag per config field, grouped by section."""
+    parser = argparse.ArgumentParser(
+        prog="trainer/run.py",
+        description=(
+            "Fine-tune an SD3-family transformer with T5 attention and export the T5 weights file. "
+            "Run with torchrun for several processes. Precedence: defaults < --config TOML < flags."
+        ),
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", metavar="FILE.toml", help="TOML file with [section] tables of these settings.")
+    defaults = TrainConfig()
+    for section, cls in _section_types().items():
+        group = parser.add_argument_group(section, (cls.__doc__ or "").strip())
+        docs = _field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        for item in dataclasses.fields(cls):
+            flag = f"{section}.{item.name}"
+            parse, choices = _converter(hints[item.name], flag)
+            default = getattr(getattr(defaults, section), item.name)
+            help_text = docs.get(item.name, "").replace("%", "%%") + f" (default: {_toml_value(default)})"
+            group.add_argument(
+                f"--{flag}",
+                dest=flag,
+                type=parse,
+                choices=choices,
+                metavar=_metavar(hints[item.name]) if choices is None else None,
+                help=help_text,
+            )
+    return parser
+
+
+def _metavar(hint: Any) -> str:
+    if hint is bool:
+        return "BOOL"
+    if hint in (int, float):
+        return hint.__name__.upper()
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return "FLOAT|none"
+    return "STR"
+
+
+def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Read a TOML config file and check its tables and keys against the config sections.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ValueError: not valid TOML, or a table / key that is not a setting (names it and the valid ones).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist; check the --config path.")
+    return _check_tables(path.read_text(encoding="utf-8"), str(path))
+
+
+def _check_tables(text: str, origin: str) -> dict[str, dict[str, Any]]:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"config file {origin} is not valid TOML: {error}.") from error
+    sections = _section_types()
+    for section, values in data.items():
+        if section not in sections or not isinstance(values, dict):
+            raise ValueError(f"config file {origin}: [{section}] is not a section; use one of {sorted(sections)}.")
+        known = {item.name for item in dataclasses.fields(sections[section])}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"config file {origin}: [{section}] has unknown key(s) {unknown}; valid keys are {sorted(known)}."
+            )
+    return data
+
+
+def _build(values: dict[str, dict[str, Any]]) -> TrainConfig:
+    sections = _section_types()
+    built = {}
+    for section, cls in sections.items():
+        given = dict(values.get(section, {}))
+        hints = typing.get_type_hints(cls)
+        for key, value in given.items():
+            given[key] = _coerce(value, hints[key], f"{section}.{key}")
+        built[section] = cls(**given)
+    return TrainConfig(**built)
+
+
+def _coerce(value: Any, hint: Any, flag: str) -> Any:
+    """Check a TOML value against the field type (TOML has int/float/bool/str; `none` means None)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() == _NONE):
+            return None
+        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+        origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ValueError(f"--{flag}: {value!r} is not one of {list(choices)}.")
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise TypeError(f"--{flag}: expected {hint.__name__}, got {type(value).__name__} {value!r}.")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Parse flags (and the `--config` file they name) into a validated `TrainConfig`.
+
+    Raises:
+        SystemExit: bad flags (argparse prints the usage) or `--help`.
+        ValueError / TypeError / FileNotFoundError: a bad config file or setting, naming the flag.
+    """
+    namespace = vars(build_parser().parse_args(argv))
+    config_file = namespace.pop("config", None)
+    values: dict[str, dict[str, Any]] = load_toml(config_file) if config_file else {}
+    for flag, value in namespace.items():
+        section, key = flag.split(".", 1)
+        values.setdefault(section, {})[key] = value
+    return _build(values)
+
+
+def config_to_toml(config: TrainConfig) -> str:
+    """The resolved config as TOML text (loads back to an equal config through `--config`)."""
+    lines: list[str] = []
+    for section in TrainConfig.sections():
+        lines.append(f"[{section}]")
+        for item in dataclasses.fields(getattr(config, section)):
+            lines.append(f"{item.name} = {_toml_value(getattr(getattr(config, section), item.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if value is None:
+        return f'"{_NONE}"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
+
+
+def save_config(config: TrainConfig, path: str | Path) -> Path:
+    """Write the resolved config as TOML, atomically (temp file then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(handle, "w", encoding="utf-8") as stream:
+        stream.write(config_to_toml(config))
+    os.replace(temp, path)
+    return path
+
+
+def config_from_toml_text(text: str) -> TrainConfig:
+    """Build a config from TOML text (used to compare a resumed run's config with the saved one)."""
+    return _build(_check_tables(text, "<saved config>"))

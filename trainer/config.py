@@ -1,0 +1,281 @@
+"""The trainer's typed config: nested sections of settings, each field documented.
+
+Every field is one `--section.field` flag (generated in `trainer.cli`) and one key of a TOML file
+(`[section]` tables). Precedence: the defaults here < the TOML file < flags. The defaults are the
+built-in toy preset, so `python trainer/run.py` with no arguments trains the toy end to end.
+Validation raises `ValueError` naming the flag to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "OutputConfig",
+    "ParallelConfig",
+    "TrainConfig",
+    "TrainingConfig",
+]
+
+
+def _require(condition: bool, flag: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"--{flag}: {message}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The base model and how it is converted."""
+
+    base: str = "toy"
+    """`toy` (the built-in toy SD3.5 model), a diffusers folder (a pipeline folder with `transformer/`,
+    or a transformer folder with `config.json`), or a single-file SD3 / SD3.5 `.safetensors` checkpoint."""
+    config: str = ""
+    """For a single-file base only: a local folder with the transformer's `config.json`. Empty picks the
+    shipped SD3 Medium / SD3.5 Medium / SD3.5 Large config that matches the checkpoint."""
+    layers: str = "paper"
+    """Layer spec: `paper`, `all`, `joint:18-23,attn2:0-12` or module names like `blocks.3.attn`."""
+    variant: Literal["swiglu", "mlp"] = "swiglu"
+    """Inner model of the TTT layer."""
+    key_norm_eps: float | None = 1.0
+    """Key instance-norm eps; `none` disables the key norm (an ablation)."""
+    locality: bool = True
+    """Residual depthwise 3x3 convs on image queries and keys."""
+    backend: Literal["auto", "torch", "triton"] = "auto"
+    """T5 attention backend (`T5_BACKEND` overrides `auto`)."""
+    trainable: Literal["t5", "attention", "all"] = "attention"
+    """What trains: `t5` = only the new T5 parameters (inherited weights frozen); `attention` = also
+    the inherited projections and q/k norms of the converted modules; `all` = the whole transformer."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.base), "model.base", "give `toy`, a diffusers folder or a .safetensors checkpoint.")
+        _require(
+            self.key_norm_eps is None or self.key_norm_eps > 0,
+            "model.key_norm_eps",
+            f"must be positive or `none`; got {self.key_norm_eps}.",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where training samples come from and how they are cached."""
+
+    source: Literal["toy", "cache", "images", "prompts"] = "toy"
+    """`toy` = the toy's procedural captioned shapes, made on the fly; `images` = a folder of images with
+    `.txt` captions, encoded once with the base pipeline's VAE and text encoders; `prompts` = a text
+    file of prompts, one a line, from which the frozen softmax model generates latents; `cache` = a
+    folder written earlier by `images` or `prompts`."""
+    path: str = ""
+    """The image folder, prompts file or cache folder (not used by `toy`)."""
+    cache_dir: str = ""
+    """Where `images` / `prompts` write their cache; empty means `<output.dir>/data-cache`."""
+    resolution: int = 0
+    """Pixel side of the square bucket (the other buckets keep about the same area); 0 = the source's
+    default: 32 for `toy`, 1024 for `images` and `prompts`."""
+    buckets: str = "1:1,4:3,3:4,16:9,9:16"
+    """Aspect-ratio buckets (`w:h`, comma-separated); each image goes to the nearest one."""
+    pipeline: str = ""
+    """`images` / `prompts`: a diffusers pipeline folder whose VAE and text encoders encode the data;
+    empty = `--model.base` when that is a pipeline folder."""
+    caption_dropout: float = 0.0
+    """Probability of training a sample on the empty caption's conditioning (keeps guidance working)."""
+    shard_size: int = 64
+    """Samples per cache shard (a safetensors file; preparation resumes shard by shard)."""
+    toy_samples: int = 256
+    """Number of distinct samples of the `toy` source."""
+    generate_steps: int = 28
+    """`prompts` source: sampling steps of the frozen softmax model."""
+    guidance_scale: float = 4.5
+    """`prompts` source: classifier-free guidance scale."""
+    max_sequence_length: int = 256
+    """`images` / `prompts`: T5 text tokens (SD3 uses 77 CLIP + this many T5 tokens)."""
+
+    def __post_init__(self) -> None:
+        _require(self.source == "toy" or bool(self.path), "data.path", f"source {self.source!r} needs a path.")
+        _require(
+            self.resolution >= 0 and self.resolution % 16 == 0, "data.resolution", "must be a multiple of 16 (or 0)."
+        )
+        _require(0 <= self.caption_dropout < 1, "data.caption_dropout", "must be in [0, 1).")
+        _require(self.shard_size >= 1, "data.shard_size", "must be at least 1.")
+        _require(self.toy_samples >= 1, "data.toy_samples", "must be at least 1.")
+        _require(self.generate_steps >= 1, "data.generate_steps", "must be at least 1.")
+        _require(self.max_sequence_length >= 1, "data.max_sequence_length", "must be at least 1.")
+
+
+@dataclass(kw_only=True, slots=True)
+class LossConfig:
+    """Flow matching plus optional distillation from the frozen softmax teacher."""
+
+    flow_weight: float = 1.0
+    """Weight of the SD3 flow-matching loss (velocity target noise - x0)."""
+    distill_weight: float = 0.0
+    """Weight of the output MSE to the frozen softmax teacher (0 = no teacher)."""
+    feature_weight: float = 0.0
+    """Weight of the per-layer attention-output MSE to the teacher, averaged over converted modules."""
+    logit_mean: float = 0.0
+    """Mean of the logit-normal timestep density."""
+    logit_std: float = 1.0
+    """Std of the logit-normal timestep density."""
+    shift: float = 3.0
+    """Timestep shift: sigma = shift*s / (1 + (shift-1)*s); SD3.5 uses 3.0."""
+    weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
+    """Per-sample loss weighting of the flow-matching loss (diffusers' SD3 schemes)."""
+
+    def __post_init__(self) -> None:
+        for name in ("flow_weight", "distill_weight", "feature_weight"):
+            _require(getattr(self, name) >= 0, f"loss.{name}", "must not be negative.")
+        _require(
+            self.flow_weight + self.distill_weight + self.feature_weight > 0,
+            "loss.flow_weight",
+            "all loss weights are 0; give at least one a positive weight.",
+        )
+        _require(self.logit_std > 0, "loss.logit_std", "must be positive.")
+        _require(self.shift > 0, "loss.shift", "must be positive.")
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.distill_weight > 0 or self.feature_weight > 0
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW with separate learning rates for the new and the inherited parameters."""
+
+    lr: float = 1e-4
+    """Base learning rate."""
+    new_lr_mult: float = 10.0
+    """Multiplier of `lr` for the new T5 parameters (DiT5 uses 10)."""
+    inherited_lr_mult: float = 0.1
+    """Multiplier of `lr` for trained inherited weights (DiT5 uses 0.1); 0 freezes them."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.999
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW eps."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = no clipping)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up."""
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "optim.lr", "must be positive.")
+        _require(self.new_lr_mult > 0, "optim.new_lr_mult", "must be positive.")
+        _require(self.inherited_lr_mult >= 0, "optim.inherited_lr_mult", "must not be negative (0 freezes).")
+        _require(self.weight_decay >= 0, "optim.weight_decay", "must not be negative.")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1", "betas must be in [0, 1).")
+        _require(self.grad_clip >= 0, "optim.grad_clip", "must not be negative.")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", "must not be negative.")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingConfig:
+    """Batch, length, precision and seeding of the run."""
+
+    batch_size: int = 8
+    """Global batch size (split evenly across processes)."""
+    steps: int = 200
+    """Optimizer steps."""
+    max_minutes: float = 0.0
+    """Wall-clock budget in minutes (0 = none); the run stops, checkpoints and exports when it is spent."""
+    seed: int = 0
+    """Seed of data order, noise and timesteps (rank-independent, so N processes see the same global batch)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """`bf16` = bf16 autocast with fp32 trained weights (frozen weights stored in bf16); `fp32` = full precision."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block in the backward pass (less memory, about 30% more compute)."""
+
+    def __post_init__(self) -> None:
+        _require(self.batch_size >= 1, "training.batch_size", "must be at least 1.")
+        _require(self.steps >= 1, "training.steps", "must be at least 1.")
+        _require(self.max_minutes >= 0, "training.max_minutes", "must not be negative.")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """How processes share the work (torchrun sets the world)."""
+
+    mode: Literal["ddp", "fsdp2"] = "ddp"
+    """`ddp` replicates the model; `fsdp2` shards each transformer block (bf16 params, fp32 reduce under bf16)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Process-group backend; `auto` = nccl on CUDA, gloo on CPU."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Device; `auto` = CUDA when available."""
+    gpu_memory_gib: float = 0.0
+    """Memory per GPU to plan for (0 = the device's own); the run refuses when the plan does not fit."""
+
+    def __post_init__(self) -> None:
+        _require(self.gpu_memory_gib >= 0, "parallel.gpu_memory_gib", "must not be negative.")
+
+
+@dataclass(kw_only=True, slots=True)
+class OutputConfig:
+    """Where results go and what is reported."""
+
+    dir: str = "runs/toy"
+    """Output folder: resolved config, metrics, checkpoints, the T5 weights file and the report."""
+    name: str = "t5.safetensors"
+    """File name of the exported T5 weights file."""
+    log_every: int = 1
+    """Write a metrics line every this many steps."""
+    progress: bool = True
+    """Show the rank-0 progress bar."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.dir), "output.dir", "must not be empty.")
+        _require(self.name.endswith(".safetensors"), "output.name", f"must end in .safetensors; got {self.name!r}.")
+        _require(self.log_every >= 1, "output.log_every", "must be at least 1.")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Periodic checkpoints and resuming."""
+
+    every: int = 50
+    """Checkpoint every this many steps (0 = only at the end)."""
+    keep: int = 2
+    """Keep this many newest checkpoints."""
+    resume: str = "auto"
+    """`auto` = continue from the newest complete checkpoint in `<output.dir>/checkpoints` if there is
+    one; `never` = refuse to start over an earlier run's checkpoints; or a checkpoint folder path."""
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, "checkpoint.every", "must not be negative.")
+        _require(self.keep >= 1, "checkpoint.keep", "must be at least 1.")
+        _require(bool(self.resume), "checkpoint.resume", "give `auto`, `never` or a checkpoint folder.")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The whole run: one section per part of the trainer."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            (self.data.source == "toy") == (self.model.base == "toy"),
+            "data.source",
+            f"the toy base trains on the toy source and a real base on real data; got "
+            f"--model.base {self.model.base!r} with --data.source {self.data.source!r}.",
+        )
+
+    @staticmethod
+    def sections() -> tuple[str, ...]:
+        return tuple(item.name for item in fields(TrainConfig))

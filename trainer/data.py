@@ -1,0 +1,126 @@
+"""Training samples: pluggable sources and the deterministic plan of global batches.
+
+A source holds samples addressed by index and grouped into buckets of equal latent size. The plan
+turns (seed, step) into the indices of one global batch, all from one bucket; each rank takes its
+contiguous slice. So N processes see exactly the batch one process would, and the data position is
+just the step number (resume is exact). Sources: `ToySource` (made on the fly) and `CacheSource`
+(`trainer.cache`, written by `trainer.prepare`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from trainer.distributed import derived_seed
+
+__all__ = ["Batch", "BatchPlan", "Source", "ToySource"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Model inputs of B samples: `latents (B, C, h, w)`, `context (B, T, J)`, `pooled (B, P)`."""
+
+    latents: Tensor
+    context: Tensor
+    pooled: Tensor
+
+    def to(self, device: torch.device, dtype: torch.dtype = torch.float32) -> Batch:
+        return Batch(*(t.to(device=device, dtype=dtype) for t in (self.latents, self.context, self.pooled)))
+
+    def rows(self, start: int, stop: int) -> Batch:
+        return Batch(self.latents[start:stop], self.context[start:stop], self.pooled[start:stop])
+
+    def __len__(self) -> int:
+        return self.latents.shape[0]
+
+
+class Source(Protocol):
+    """Samples by index. `buckets` maps a latent size `(h, w)` to the indices of that size."""
+
+    def buckets(self) -> dict[tuple[int, int], list[int]]: ...
+
+    def load(self, indices: list[int]) -> Batch: ...
+
+    def uncond(self) -> tuple[Tensor, Tensor]:
+        """The empty caption's `(context (T, J), pooled (P,))`, for caption dropout."""
+        ...
+
+
+class ToySource:
+    """The toy's procedural captioned shapes (`trainer.toy.data`): sample i is `make_batch(1, seed=i)`."""
+
+    def __init__(self, samples: int, *, size: int, seed_offset: int = 0) -> None:
+        from trainer.toy import data as toy_data
+
+        self._toy = toy_data
+        self.samples, self.size, self.seed_offset = samples, size, seed_offset
+        latent = size // 2
+        self._buckets = {(latent, latent): list(range(samples))}
+
+    def buckets(self) -> dict[tuple[int, int], list[int]]:
+        return self._buckets
+
+    def load(self, indices: list[int]) -> Batch:
+        parts = [self._toy.make_batch(1, seed=self.seed_offset + index, size=self.size) for index in indices]
+        return Batch(
+            torch.cat([p.latents for p in parts]),
+            torch.cat([p.encoder_hidden_states for p in parts]),
+            torch.cat([p.pooled_projections for p in parts]),
+        )
+
+    def uncond(self) -> tuple[Tensor, Tensor]:
+        context, pooled = self._toy.embed_captions([""])
+        return context[0], pooled[0]
+
+
+class BatchPlan:
+    """Which samples form global batch `step`: a pure function of (seed, step).
+
+    Every epoch shuffles each bucket, cuts it into full global batches (a remainder smaller than a
+    batch waits for the next epoch's shuffle) and shuffles the batch order across buckets.
+
+    Raises:
+        ValueError: no bucket holds a full global batch (says how many samples each bucket has).
+    """
+
+    def __init__(self, buckets: dict[tuple[int, int], list[int]], *, batch_size: int, seed: int) -> None:
+        self.buckets = {key: list(value) for key, value in sorted(buckets.items()) if value}
+        self.batch_size, self.seed = batch_size, seed
+        self._cached: tuple[int, list[list[int]]] | None = None
+        self.batches_per_epoch = sum(len(v) // batch_size for v in self.buckets.values())
+        if self.batches_per_epoch == 0:
+            sizes = ", ".join(f"{h}x{w}: {len(v)}" for (h, w), v in self.buckets.items()) or "none"
+            raise ValueError(
+                f"no aspect bucket holds a full global batch of {batch_size} samples (samples per latent "
+                f"bucket: {sizes}). Add data or lower --training.batch_size."
+            )
+
+    def _epoch(self, epoch: int) -> list[list[int]]:
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        generator = torch.Generator().manual_seed(derived_seed(self.seed, "data", epoch))
+        batches: list[list[int]] = []
+        for indices in self.buckets.values():
+            order = torch.randperm(len(indices), generator=generator).tolist()
+            full = len(order) - len(order) % self.batch_size
+            batches += [[indices[i] for i in order[j : j + self.batch_size]] for j in range(0, full, self.batch_size)]
+        order = torch.randperm(len(batches), generator=generator).tolist()
+        self._cached = (epoch, [batches[i] for i in order])
+        return self._cached[1]
+
+    def global_indices(self, step: int) -> list[int]:
+        """The sample indices of global batch `step` (0-based)."""
+        epoch, position = divmod(step, self.batches_per_epoch)
+        return self._epoch(epoch)[position]
+
+    def local_indices(self, step: int, *, rank: int, world_size: int) -> list[int]:
+        """This rank's contiguous slice of global batch `step`."""
+        per_rank = self.batch_size // world_size
+        return self.global_indices(step)[rank * per_rank : (rank + 1) * per_rank]

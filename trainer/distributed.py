@@ -1,0 +1,123 @@
+"""Process-group setup shared by one process and N: ranks, device, per-rank seeds, teardown.
+
+Under `torchrun` the world comes from its environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+`MASTER_ADDR`, `MASTER_PORT`). A plain `python trainer/run.py` becomes a world of one with an
+in-memory store, so DDP, FSDP2 and the collectives run the same code path in both cases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainer.config import ParallelConfig
+
+__all__ = ["World", "derived_seed", "init_world", "rank_seed", "seed_everything"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    """This process's place in the run.
+
+    Attributes:
+        rank, world_size, local_rank: as torchrun sets them (0, 1, 0 for a single process).
+        device: the device this rank trains on.
+        backend: the process-group backend (`nccl` or `gloo`).
+        owns_group: whether this run created the process group (and so destroys it).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    owns_group: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        """Destroy the process group if this run created it (safe to call twice)."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _pick_device(config: ParallelConfig, local_rank: int) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "--parallel.device cuda was requested but CUDA is not available; use --parallel.device cpu."
+            )
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"local rank {local_rank} has no GPU: this node has {torch.cuda.device_count()}. "
+                "Start no more processes per node than GPUs (torchrun --nproc_per_node)."
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_world(config: ParallelConfig) -> World:
+    """Join (or create) the process group and pick this rank's device.
+
+    Raises:
+        RuntimeError: CUDA requested but absent, more local ranks than GPUs, or nccl without CUDA.
+    """
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _pick_device(config, local_rank)
+    backend = config.backend if config.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise RuntimeError("--parallel.backend nccl needs CUDA devices; use gloo on CPU.")
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        if env_world > 1 or "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    world = World(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        backend=dist.get_backend(),
+        owns_group=owns_group,
+    )
+    logger.info("Distributed: rank %d of %d on %s (%s)", world.rank, world.world_size, device, world.backend)
+    return world
+
+
+def derived_seed(seed: int, *stream: int | str) -> int:
+    """A 63-bit seed for one named random stream of a run (`derived_seed(seed, "noise", step)`).
+
+    Stable across processes, machines and Python versions (a hash of the text, not `hash()`), and
+    independent streams for different names, steps or ranks.
+    """
+    text = ":".join(str(part) for part in (seed, *stream))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank-local randomness (dropout and the like); data and noise use global streams."""
+    return derived_seed(seed, "rank", rank)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

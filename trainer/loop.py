@@ -1,0 +1,191 @@
+"""The training loop: one step of the recipe, and the loop that stops on steps or the time budget.
+
+Noise, sigmas and caption dropout of step s are drawn for the whole global batch from the stream
+`derived_seed(seed, "noise", s)` and each rank keeps its rows, so a run gives the same numbers with
+one process or N and after a resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from trainer.checkpoint import CheckpointManager
+from trainer.config import TrainConfig
+from trainer.data import Batch, BatchPlan, Source
+from trainer.distributed import World, derived_seed
+from trainer.losses import AttentionCapture, add_noise, combine, sample_sigmas
+from trainer.metrics import MetricsWriter, Progress
+
+__all__ = ["LoopResult", "TrainParts", "train_loop", "train_step"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainParts:
+    """Everything the loop touches, built by `trainer.train`."""
+
+    config: TrainConfig
+    world: World
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    source: Source
+    plan: BatchPlan
+    checkpoints: CheckpointManager
+    metrics: MetricsWriter
+    teacher: nn.Module | None = None
+    student_capture: AttentionCapture | None = None
+    teacher_capture: AttentionCapture | None = None
+    extra_state: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class LoopResult:
+    """How the loop ended: steps reached, why it stopped, and the last step's losses."""
+
+    step: int
+    stop_reason: str
+    last: dict[str, float]
+    seconds: float
+
+
+def _autocast(parts: TrainParts):
+    if parts.config.training.precision == "bf16":
+        return torch.autocast(parts.world.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _recording(capture: AttentionCapture | None):
+    return contextlib.nullcontext({}) if capture is None else capture.recording()
+
+
+def _noise(parts: TrainParts, batch: Batch, step: int) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's rows of the global batch's noise, sigmas and caption-dropout mask."""
+    size = parts.plan.batch_size
+    generator = torch.Generator().manual_seed(derived_seed(parts.config.training.seed, "noise", step))
+    noise = torch.randn((size, *batch.latents.shape[1:]), generator=generator)
+    sigmas = sample_sigmas(size, generator=generator, config=parts.config.loss)
+    dropped = torch.rand(size, generator=generator) < parts.config.data.caption_dropout
+    rows = slice(parts.world.rank * len(batch), (parts.world.rank + 1) * len(batch))
+    return noise[rows], sigmas[rows], dropped[rows]
+
+
+def _forward(model: nn.Module, x_t: Tensor, sigmas: Tensor, batch: Batch) -> Tensor:
+    return model(
+        hidden_states=x_t,
+        encoder_hidden_states=batch.context,
+        pooled_projections=batch.pooled,
+        timestep=sigmas * 1000,
+        return_dict=False,
+    )[0]
+
+
+def train_step(parts: TrainParts, step: int) -> dict[str, float]:
+    """Run optimizer step `step` (0-based) and return its metrics, averaged over ranks."""
+    device = parts.world.device
+    indices = parts.plan.local_indices(step, rank=parts.world.rank, world_size=parts.world.world_size)
+    batch = parts.source.load(indices)
+    noise, sigmas, dropped = _noise(parts, batch, step)
+    if dropped.any():
+        context, pooled = parts.source.uncond()
+        batch = Batch(
+            batch.latents,
+            torch.where(dropped.view(-1, 1, 1), context.expand_as(batch.context), batch.context),
+            torch.where(dropped.view(-1, 1), pooled.expand_as(batch.pooled), batch.pooled),
+        )
+    batch = batch.to(device)
+    noise, sigmas = noise.to(device), sigmas.to(device)
+    x_t = add_noise(batch.latents, noise, sigmas)
+    features = None
+    with _autocast(parts):
+        teacher_prediction = None
+        if parts.teacher is not None:
+            with torch.no_grad(), _recording(parts.teacher_capture) as teacher_out:
+                teacher_prediction = _forward(parts.teacher, x_t, sigmas, batch)
+        with _recording(parts.student_capture) as student_out:
+            prediction = _forward(parts.model, x_t, sigmas, batch)
+        if parts.config.loss.feature_weight > 0:
+            features = [(student_out[name], teacher_out[name]) for name in parts.student_capture.names]
+        losses = combine(
+            parts.config.loss,
+            prediction=prediction,
+            target=noise - batch.latents,
+            sigmas=sigmas,
+            teacher_prediction=teacher_prediction,
+            features=features,
+        )
+    losses.total.backward()
+    trainable = [p for group in parts.optimizer.param_groups for p in group["params"]]
+    grad_norm = None
+    if parts.config.optim.grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, parts.config.optim.grad_clip)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    lrs = {f"lr/{group['name']}": group["lr"] for group in parts.optimizer.param_groups}
+    parts.optimizer.step()
+    parts.scheduler.step()
+    parts.optimizer.zero_grad(set_to_none=True)
+    values = torch.stack([losses.total.detach().float(), *(v.float() for v in losses.terms.values())])
+    dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    values = (values / parts.world.world_size).tolist()
+    metrics = {"loss/total": values[0], **{f"loss/{name}": v for name, v in zip(losses.terms, values[1:], strict=True)}}
+    metrics.update(lrs)
+    if grad_norm is not None:
+        metrics["grad_norm"] = float(grad_norm)
+    return metrics
+
+
+def _out_of_time(parts: TrainParts, deadline: float | None) -> bool:
+    """Rank 0's clock decides for everyone, so all ranks stop after the same step."""
+    flag = torch.tensor([1 if deadline is not None and time.monotonic() >= deadline else 0], device=parts.world.device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def train_loop(parts: TrainParts, *, start_step: int, deadline: float | None) -> LoopResult:
+    """Train from `start_step` until `--training.steps` or the deadline; checkpoint on the way and at the end."""
+    config = parts.config
+    total = config.training.steps
+    progress = Progress(total=total, initial=start_step, enabled=parts.world.is_main and config.output.progress)
+    started = time.monotonic()
+    step, reason, last = start_step, "steps", {}
+    try:
+        while step < total:
+            tick = time.perf_counter()
+            last = train_step(parts, step)
+            step += 1
+            seconds = time.perf_counter() - tick
+            last["time/step(s)"] = seconds
+            last["throughput(img/s)"] = config.training.batch_size / seconds
+            if parts.world.device.type == "cuda":
+                last["memory/max_reserved(GiB)"] = torch.cuda.max_memory_reserved(parts.world.device) / 1024**3
+            if step % config.output.log_every == 0 or step == total:
+                parts.metrics.write(step, last)
+            logger.debug("step %d: %s", step, last)
+            progress.update(last["loss/total"])
+            stop = _out_of_time(parts, deadline)
+            every = config.checkpoint.every
+            if (every and step % every == 0) or step == total or stop:
+                parts.checkpoints.save(
+                    step,
+                    model=parts.model,
+                    optimizer=parts.optimizer,
+                    scheduler=parts.scheduler,
+                    state={**parts.extra_state, "data_position": step},
+                )
+            if stop:
+                reason = "time"
+                logger.info(
+                    "Stopping after step %d: the %.1f-minute budget is spent", step, config.training.max_minutes
+                )
+                break
+    finally:
+        progress.close()
+    return LoopResult(step, reason, last, time.monotonic() - started)

@@ -1,0 +1,135 @@
+"""Losses of the conversion fine-tune: SD3 flow matching, output distillation, attention alignment.
+
+Flow matching (SD3, rectified flow): sigma = shift*s / (1 + (shift-1)*s) with s ~ logit-normal(m, std);
+x_t = (1 - sigma) x0 + sigma eps; the model predicts the velocity eps - x0 at timestep 1000*sigma.
+Distillation is the MSE between the student's and the frozen softmax teacher's velocity on the same
+x_t; alignment is the MSE between each converted module's attention output and the teacher's output
+of the same module, averaged over modules. Every term is reported; the total is their weighted sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from trainer.config import LossConfig
+
+__all__ = ["AttentionCapture", "LossTerms", "add_noise", "combine", "flow_weights", "sample_sigmas"]
+
+
+def sample_sigmas(count: int, *, generator: torch.Generator, config: LossConfig) -> Tensor:
+    """`(count,)` training sigmas: logit-normal(logit_mean, logit_std) pushed through the shift map."""
+    s = torch.sigmoid(config.logit_mean + config.logit_std * torch.randn(count, generator=generator))
+    return config.shift * s / (1 + (config.shift - 1) * s)
+
+
+def add_noise(x0: Tensor, noise: Tensor, sigmas: Tensor) -> Tensor:
+    """x_t = (1 - sigma) x0 + sigma eps, per sample."""
+    s = sigmas.view(-1, *([1] * (x0.dim() - 1)))
+    return (1 - s) * x0 + s * noise
+
+
+def flow_weights(sigmas: Tensor, scheme: str) -> Tensor:
+    """Per-sample weights of the flow-matching MSE (diffusers' SD3 schemes)."""
+    if scheme == "sigma_sqrt":
+        return sigmas.float().pow(-2.0)
+    if scheme == "cosmap":
+        return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas**2))
+    return torch.ones_like(sigmas)
+
+
+def _per_sample_mse(a: Tensor, b: Tensor) -> Tensor:
+    return (a.float() - b.float()).square().flatten(1).mean(1)
+
+
+@dataclass(frozen=True, slots=True)
+class LossTerms:
+    """The total loss (differentiable) and each unweighted term as a detached scalar."""
+
+    total: Tensor
+    terms: dict[str, Tensor]
+
+
+def combine(
+    config: LossConfig,
+    *,
+    prediction: Tensor,
+    target: Tensor,
+    sigmas: Tensor,
+    teacher_prediction: Tensor | None = None,
+    features: list[tuple[Tensor, Tensor]] | None = None,
+) -> LossTerms:
+    """Weighted sum of the configured losses over a batch.
+
+    Args:
+        prediction, target (`Tensor`): student velocity and eps - x0, `(B, C, h, w)`.
+        sigmas (`Tensor`): `(B,)` the batch's sigmas (for the flow weighting).
+        teacher_prediction (`Tensor`, *optional*): the teacher's velocity; needed when distill_weight > 0.
+        features (`list`, *optional*): (student, teacher) attention outputs per converted module;
+            needed when feature_weight > 0.
+    """
+    terms: dict[str, Tensor] = {}
+    total = prediction.new_zeros((), dtype=torch.float32)
+    if config.flow_weight > 0:
+        flow = (
+            flow_weights(sigmas, config.weighting).to(prediction.device) * _per_sample_mse(prediction, target)
+        ).mean()
+        terms["flow"], total = flow, total + config.flow_weight * flow
+    if config.distill_weight > 0:
+        if teacher_prediction is None:
+            raise ValueError("distill_weight > 0 needs the teacher's prediction.")
+        distill = F.mse_loss(prediction.float(), teacher_prediction.float())
+        terms["distill"], total = distill, total + config.distill_weight * distill
+    if config.feature_weight > 0:
+        if not features:
+            raise ValueError("feature_weight > 0 needs the attention outputs of the converted modules.")
+        feature = torch.stack([F.mse_loss(s.float(), t.float()) for s, t in features]).mean()
+        terms["feature"], total = feature, total + config.feature_weight * feature
+    return LossTerms(total, {name: value.detach() for name, value in terms.items()})
+
+
+class AttentionCapture:
+    """Records the outputs of named attention modules during one forward pass.
+
+    Hooks stay installed but record only inside `recording()`, so the recompute of gradient
+    checkpointing (which runs the modules again during backward) is ignored. Image and text outputs
+    of joint attention are concatenated along tokens.
+    """
+
+    def __init__(self, model: nn.Module, module_names: list[str]) -> None:
+        modules = dict(model.named_modules())
+        missing = [name for name in module_names if name not in modules]
+        if missing:
+            raise ValueError(f"no attention module named {missing} in {type(model).__name__}.")
+        self.names = list(module_names)
+        self.outputs: dict[str, Tensor] = {}
+        self._recording = False
+        self._hooks = [modules[name].register_forward_hook(self._hook(name)) for name in self.names]
+
+    def _hook(self, name: str):
+        def hook(module: nn.Module, args: tuple, output: Tensor | tuple) -> None:
+            if not self._recording:
+                return
+            parts = output if isinstance(output, tuple) else (output,)
+            self.outputs[name] = torch.cat([p for p in parts if p is not None], dim=1)
+
+        return hook
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[dict[str, Tensor]]:
+        self.outputs = {}
+        self._recording = True
+        try:
+            yield self.outputs
+        finally:
+            self._recording = False
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()

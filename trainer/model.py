@@ -1,0 +1,217 @@
+"""The model step of the recipe: load the softmax base, keep a frozen teacher, convert, choose what trains.
+
+Base models load offline: a diffusers folder (pipeline or transformer), a single-file SD3 / SD3.5
+checkpoint with a local config (the three shipped in `trainer/configs` or `--model.config`), or the
+built-in toy. The conversion is `t5core.hosts.diffusers.linearize`, as a user would call it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from t5core.hosts.diffusers import T5Handle, arch_of, linearize
+from trainer.config import ModelConfig, OptimConfig
+
+__all__ = ["ParamSplit", "build_student", "find_pipeline_folder", "load_base", "make_teacher", "split_parameters"]
+
+logger = logging.getLogger(__name__)
+
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+SD3_CLASS = "SD3Transformer2DModel"
+_SINGLE_FILE_PREFIX = "model.diffusion_model."
+
+
+def _check_class(config_file: Path) -> None:
+    name = json.loads(config_file.read_text(encoding="utf-8")).get("_class_name")
+    if name != SD3_CLASS:
+        raise ValueError(
+            f"{config_file} describes a {name!r}, not an SD3 / SD3.5 transformer ({SD3_CLASS}). "
+            "Give --model.base an SD3-family model."
+        )
+
+
+def _transformer_folder(folder: Path) -> tuple[Path, str | None]:
+    """The folder holding the transformer's config.json and the subfolder argument to load it."""
+    if (folder / "transformer" / "config.json").is_file():
+        return folder / "transformer", "transformer"
+    if (folder / "config.json").is_file():
+        return folder, None
+    raise FileNotFoundError(
+        f"{folder} is not a diffusers model folder: it has neither transformer/config.json nor config.json. "
+        "Give a diffusers pipeline or transformer folder, or a single-file .safetensors checkpoint."
+    )
+
+
+def _single_file_layout(path: Path) -> tuple[int, bool, bool]:
+    """(depth, has attn2, has q/k norm) read from the key names of an SD3 single-file checkpoint."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            keys = [key.removeprefix(_SINGLE_FILE_PREFIX) for key in handle.keys()]
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{path} is not a readable safetensors file ({error}).") from error
+    blocks = {int(key.split(".")[1]) for key in keys if key.startswith("joint_blocks.")}
+    if not blocks or "x_embedder.proj.weight" not in keys:
+        raise ValueError(
+            f"{path} is not an SD3 / SD3.5 checkpoint: it has no joint_blocks.* / x_embedder weights "
+            f"(first keys: {sorted(keys)[:3]}). Give an SD3-family model."
+        )
+    return max(blocks) + 1, any(".attn2." in key for key in keys), any(".ln_q." in key for key in keys)
+
+
+def _shipped_config(path: Path) -> Path:
+    depth, dual, qk_norm = _single_file_layout(path)
+    for folder in sorted(CONFIGS_DIR.iterdir()):
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        if (config["num_layers"], bool(config["dual_attention_layers"]), config["qk_norm"] is not None) == (
+            depth,
+            dual,
+            qk_norm,
+        ):
+            logger.info("Model: %s matches the shipped %s config", path.name, folder.name)
+            return folder
+    raise ValueError(
+        f"{path} has {depth} blocks (attn2: {dual}, q/k norm: {qk_norm}); no shipped config "
+        f"({', '.join(p.name for p in sorted(CONFIGS_DIR.iterdir()))}) matches. Pass --model.config with a "
+        "folder holding this model's diffusers config.json."
+    )
+
+
+def load_base(config: ModelConfig) -> nn.Module:
+    """Load the softmax base transformer (fp32, eval mode, on CPU), offline.
+
+    Raises:
+        FileNotFoundError: the base or its config does not exist.
+        ValueError: the base is not an SD3-family model, or a checkpoint format that would need pickle.
+    """
+    if config.base == "toy":
+        from trainer.toy.model import load_toy_base
+
+        return load_toy_base().requires_grad_(True)
+    from diffusers import SD3Transformer2DModel
+
+    path = Path(config.base).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"base model {path} does not exist. Give --model.base a diffusers folder, a single-file SD3 / "
+            "SD3.5 .safetensors checkpoint, or `toy`."
+        )
+    if path.is_dir():
+        folder, subfolder = _transformer_folder(path)
+        _check_class(folder / "config.json")
+        model = SD3Transformer2DModel.from_pretrained(
+            str(path), subfolder=subfolder, local_files_only=True, torch_dtype=torch.float32
+        )
+    elif path.suffix == ".safetensors":
+        if config.config:
+            config_folder, subfolder = _transformer_folder(Path(config.config).expanduser())
+            _check_class(config_folder / "config.json")
+            _single_file_layout(path)
+        else:
+            config_folder, subfolder = _shipped_config(path), None
+        model = SD3Transformer2DModel.from_single_file(
+            str(path),
+            config=str(config_folder.parent if subfolder else config_folder),
+            subfolder=subfolder,
+            local_files_only=True,
+            torch_dtype=torch.float32,
+        )
+    else:
+        raise ValueError(
+            f"{path}: only .safetensors checkpoints are read (other formats need pickle). Convert it to "
+            "safetensors, or give a diffusers folder."
+        )
+    arch_of(model)
+    return model.eval()
+
+
+def find_pipeline_folder(model: ModelConfig, pipeline: str) -> Path:
+    """The diffusers pipeline folder whose VAE and text encoders encode data.
+
+    Raises:
+        FileNotFoundError: neither `--data.pipeline` nor `--model.base` is a pipeline folder.
+    """
+    candidate = Path(pipeline or model.base).expanduser()
+    if (candidate / "model_index.json").is_file():
+        return candidate
+    raise FileNotFoundError(
+        f"{candidate} is not a diffusers pipeline folder (no model_index.json); encoding images or prompts "
+        "needs the model's VAE and text encoders. Pass --data.pipeline with an SD3 pipeline folder."
+    )
+
+
+def make_teacher(base: nn.Module, *, dtype: torch.dtype) -> nn.Module:
+    """A frozen copy of the softmax base, in `dtype`, for distillation and alignment."""
+    teacher = copy.deepcopy(base).to(dtype).eval().requires_grad_(False)
+    logger.info("Model: frozen softmax teacher in %s", str(dtype).removeprefix("torch."))
+    return teacher
+
+
+def build_student(base: nn.Module, config: ModelConfig) -> T5Handle:
+    """Convert the base in place with `linearize`; the handle holds the new modules and the undo."""
+    return linearize(
+        base,
+        config.layers,
+        variant=config.variant,
+        key_norm_eps=config.key_norm_eps,
+        locality=config.locality,
+        backend=config.backend,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSplit:
+    """Parameter names (unwrapped model) by role: the new T5 ones, trained inherited ones, frozen."""
+
+    new: tuple[str, ...]
+    inherited: tuple[str, ...]
+    frozen: tuple[str, ...]
+
+
+def _dead_parameters(handle: T5Handle) -> set[str]:
+    """The last block's text-query path: its text outputs are discarded, so these get zero gradient."""
+    last = f"transformer_blocks.{handle.arch.depth - 1}.attn."
+    return {last + name for name in ("add_q_proj.weight", "add_q_proj.bias", "norm_added_q.weight")}
+
+
+def split_parameters(handle: T5Handle, model: ModelConfig, optim: OptimConfig) -> ParamSplit:
+    """Decide what trains, and set `requires_grad` accordingly on the converted model.
+
+    `--model.trainable t5` trains the new parameters only; `attention` adds the inherited
+    projections and q/k norms of the converted modules; `all` the whole transformer.
+    `--optim.inherited_lr_mult 0` freezes every inherited weight. The last block's dead text-query
+    path is always frozen, so DDP needs no unused-parameter search.
+    """
+    new_ids = {id(p) for p in handle.t5_parameters()}
+    converted = tuple(f"transformer_{name}." for name in handle.modules)
+    dead = _dead_parameters(handle)
+    new, inherited, frozen = [], [], []
+    for name, param in handle.model.named_parameters():
+        if id(param) in new_ids:
+            role = new
+        elif optim.inherited_lr_mult == 0 or model.trainable == "t5" or name in dead:
+            role = frozen
+        elif model.trainable == "all" or name.startswith(converted):
+            role = inherited
+        else:
+            role = frozen
+        role.append(name)
+        param.requires_grad_(role is not frozen)
+    split = ParamSplit(tuple(new), tuple(inherited), tuple(frozen))
+    params = dict(handle.model.named_parameters())
+    counts = {key: sum(params[n].numel() for n in getattr(split, key)) for key in ("new", "inherited", "frozen")}
+    logger.info(
+        "Model: training %.2fM new T5 + %.2fM inherited parameters; %.2fM frozen",
+        counts["new"] / 1e6,
+        counts["inherited"] / 1e6,
+        counts["frozen"] / 1e6,
+    )
+    return split

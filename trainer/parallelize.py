@@ -1,0 +1,80 @@
+"""Wrap the model for the run: activation checkpointing, then DDP or FSDP2 (torch's own stack).
+
+Each function does one thing and logs "Applied ..." once. Checkpointing goes first, so DDP and FSDP2
+wrap the checkpointed blocks. One process is a world of one and takes the same path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.distributed import World
+
+__all__ = ["apply_activation_checkpointing", "apply_ddp", "apply_fsdp", "store_frozen_in", "unwrap"]
+
+logger = logging.getLogger(__name__)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute every transformer block in backward (diffusers' non-reentrant per-block checkpoint)."""
+    model.enable_gradient_checkpointing()
+    logger.info("Applied activation checkpointing to %d transformer blocks", len(model.transformer_blocks))
+
+
+def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
+    """Keep frozen parameters in `dtype` (bf16 halves their memory; autocast computes in bf16 anyway).
+
+    Returns the number of parameters cast.
+    """
+    count = 0
+    for param in model.parameters():
+        if not param.requires_grad and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+            count += param.numel()
+    if count:
+        logger.info("Applied %s storage to %.2fM frozen parameters", str(dtype).removeprefix("torch."), count / 1e6)
+    return count
+
+
+def apply_ddp(model: nn.Module, world: World) -> DistributedDataParallel:
+    """Replicate the model on every rank and all-reduce gradients (mean over ranks)."""
+    wrapped = DistributedDataParallel(
+        model,
+        device_ids=[world.device.index] if world.device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+    )
+    logger.info("Applied DDP over %d process(es)", world.world_size)
+    return wrapped
+
+
+def apply_fsdp(model: nn.Module, *, param_dtype: torch.dtype | None, name: str = "model") -> nn.Module:
+    """Shard each transformer block, then the root, with FSDP2's `fully_shard`.
+
+    Args:
+        model: a diffusers SD3 transformer (student or frozen teacher).
+        param_dtype: dtype of the gathered parameters for compute (bf16 under bf16 precision), or
+            None to compute in the stored dtype. Gradients are always reduced in fp32.
+        name: for the log line.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.transformer_blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    dtype = "stored dtype" if param_dtype is None else str(param_dtype).removeprefix("torch.")
+    logger.info(
+        "Applied FSDP2 to the %s: %d blocks + root, params in %s, fp32 reduce",
+        name,
+        len(model.transformer_blocks),
+        dtype,
+    )
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module under a DDP wrapper (FSDP2 shards in place, so its module is the model itself)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,319 @@
+"""`run(config)`: the whole fine-tune as one Python call, built step by step as a recipe.
+
+world -> output folder -> base model -> data -> teacher -> linearize -> what trains -> memory plan
+-> device and parallelism -> optimizer -> resume -> loop -> export -> report. `trainer/run.py` is
+the CLI around it; benchmarks and ablations call it directly with different configs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from t5core.hosts.diffusers import T5Handle
+from trainer.checkpoint import CheckpointManager
+from trainer.cli import config_from_toml_text, config_to_toml, save_config
+from trainer.config import TrainConfig
+from trainer.data import BatchPlan, Source, ToySource
+from trainer.distributed import World, init_world, rank_seed, seed_everything
+from trainer.export import export_weights, write_report
+from trainer.loop import TrainParts, train_loop
+from trainer.losses import AttentionCapture
+from trainer.memory import MemoryPlan, ParamCounts, RunShape, plan_memory, suggest
+from trainer.metrics import MetricsWriter
+from trainer.model import ParamSplit, build_student, load_base, make_teacher, split_parameters
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.parallelize import apply_activation_checkpointing, apply_ddp, apply_fsdp, store_frozen_in
+
+__all__ = ["RunResult", "run"]
+
+logger = logging.getLogger(__name__)
+
+TOY_IMAGE_SIZE = 32
+"""The toy's image side when `--data.resolution` is 0 (`trainer.toy.data.IMAGE_SIZE`)."""
+REAL_RESOLUTION = 1024
+"""The image side of `images` / `prompts` data when `--data.resolution` is 0 (SD3.5's native size)."""
+_RESUME_KEYS = ("model", "data.source", "data.path", "training.batch_size", "training.seed")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a finished run produced.
+
+    Attributes:
+        output_dir: the run's folder. weights: the exported T5 weights file.
+        step: the last step reached. stop_reason: `steps` or `time`.
+        last: the last step's metrics. seconds: wall time of the loop.
+        handle: the converted student (unwrapped; its parameters are shards under FSDP2).
+    """
+
+    output_dir: Path
+    weights: Path
+    step: int
+    stop_reason: str
+    last: dict[str, float]
+    seconds: float
+    handle: T5Handle
+
+
+def _prepare_output(folder: Path, world: World) -> None:
+    """Create the output folder and prove it is writable before anything expensive happens."""
+    error: OSError | None = None
+    if world.is_main:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            handle, probe = tempfile.mkstemp(dir=folder, prefix=".write-test.")
+            os.close(handle)
+            os.unlink(probe)
+        except OSError as caught:
+            error = caught
+    flag = torch.tensor([0 if error else 1], device=world.device)
+    torch.distributed.broadcast(flag, src=0)
+    if not flag.item():
+        raise PermissionError(
+            f"output folder {folder} is not writable ({error or 'failed on rank 0'}). Choose another --output.dir "
+            "or fix its permissions; nothing in it was changed."
+        )
+
+
+def _resume_path(config: TrainConfig, checkpoints: CheckpointManager) -> Path | None:
+    mode = config.checkpoint.resume
+    if mode == "auto":
+        return checkpoints.latest()
+    if mode == "never":
+        if checkpoints.steps():
+            raise FileExistsError(
+                f"{checkpoints.folder} holds checkpoints of an earlier run (steps {checkpoints.steps()}). "
+                "Pass --checkpoint.resume auto to continue it, or choose another --output.dir."
+            )
+        return None
+    return Path(mode).expanduser()
+
+
+def _flat(config: TrainConfig) -> dict[str, object]:
+    return {f"{section}.{key}": value for section, fields in asdict(config).items() for key, value in fields.items()}
+
+
+def _check_resume_config(saved_text: str, config: TrainConfig) -> None:
+    saved, now = _flat(config_from_toml_text(saved_text)), _flat(config)
+    differ = [
+        f"--{key} {saved[key]!r} -> {now[key]!r}"
+        for key in saved
+        if key.startswith(_RESUME_KEYS) and saved[key] != now[key]
+    ]
+    if differ:
+        raise ValueError(
+            f"the checkpoint was trained with other settings: {', '.join(differ)}. Resume with the same settings "
+            "or start a new run in another --output.dir."
+        )
+
+
+def _build_source(config: TrainConfig, base: nn.Module, world: World, output: Path) -> Source:
+    data = config.data
+    if data.source == "toy":
+        return ToySource(data.toy_samples, size=data.resolution or TOY_IMAGE_SIZE)
+    from trainer.cache import CacheSource
+
+    if data.source == "cache":
+        return CacheSource(data.path)
+    from trainer.prepare import prepare_images, prepare_prompts
+
+    from trainer.model import find_pipeline_folder
+
+    cache_dir = Path(data.cache_dir or output / "data-cache")
+    pipeline = find_pipeline_folder(config.model, data.pipeline)
+    resolution = data.resolution or REAL_RESOLUTION
+    prepare = prepare_images if data.source == "images" else prepare_prompts
+    prepare(
+        Path(data.path), cache_dir, pipeline=pipeline, transformer=base, data=data, resolution=resolution, world=world
+    )
+    return CacheSource(cache_dir)
+
+
+def _counts(handle: T5Handle, split: ParamSplit) -> ParamCounts:
+    params = dict(handle.model.named_parameters())
+    return ParamCounts(
+        trained=sum(params[n].numel() for n in split.new + split.inherited),
+        frozen=sum(params[n].numel() for n in split.frozen),
+        buffers=sum(b.numel() for b in handle.model.buffers()),
+        largest_block=max(sum(p.numel() for p in block.parameters()) for block in handle.model.transformer_blocks),
+    )
+
+
+def _plan(
+    config: TrainConfig,
+    handle: T5Handle,
+    split: ParamSplit,
+    source: Source,
+    plan: BatchPlan,
+    world: World,
+    teacher: nn.Module | None,
+) -> MemoryPlan:
+    patch = handle.model.config.patch_size
+    latent_h, latent_w = max(plan.buckets, key=lambda hw: hw[0] * hw[1])
+    sample = source.load([plan.buckets[(latent_h, latent_w)][0]])
+    shape = RunShape(
+        batch_per_rank=config.training.batch_size // world.world_size,
+        image_tokens=(latent_h // patch) * (latent_w // patch),
+        text_tokens=sample.context.shape[1],
+        hidden=handle.arch.hidden,
+        depth=handle.arch.depth,
+    )
+    budget = config.parallel.gpu_memory_gib or None
+    if budget is None and world.device.type == "cuda":
+        budget = torch.cuda.get_device_properties(world.device).total_memory / 1024**3
+    settings = dict(
+        mode=config.parallel.mode,
+        world_size=world.world_size,
+        precision=config.training.precision,
+        gradient_checkpointing=config.training.gradient_checkpointing,
+        teacher_params=sum(p.numel() for p in teacher.parameters()) if teacher is not None else 0,
+    )
+    counts = _counts(handle, split)
+    margin = {} if budget is not None else {"runtime_margin_gib": 0.0}
+    memory = plan_memory(counts, shape, **settings, budget_gib=budget, **margin)
+    logger.info("Memory plan: %s", memory.summary())
+    if not memory.fits:
+        fixes = suggest(counts, shape, **settings, budget_gib=budget)
+        hint = (
+            "; ".join(fixes) if fixes else "train fewer weights (--model.trainable t5) or lower --training.batch_size"
+        )
+        raise RuntimeError(
+            f"the run needs about {memory.total_gib:.1f} GiB per GPU but has {budget:.1f} GiB "
+            f"({memory.summary()}). Try: {hint}."
+        )
+    return memory
+
+
+def run(config: TrainConfig) -> RunResult:
+    """Fine-tune, checkpoint and export as `config` says; one process or one rank of a torchrun world.
+
+    Raises:
+        FileNotFoundError / ValueError / TypeError: a missing or unsuitable base, data or setting.
+        PermissionError: the output folder is not writable.
+        RuntimeError: the memory plan does not fit, or the machine cannot run a requested feature.
+    """
+    world = init_world(config.parallel)
+    try:
+        return _run(config, world)
+    finally:
+        world.close()
+
+
+def _run(config: TrainConfig, world: World) -> RunResult:
+    output = Path(config.output.dir).expanduser()
+    _prepare_output(output, world)
+    seed_everything(rank_seed(config.training.seed, world.rank))
+    checkpoints = CheckpointManager(output / "checkpoints", world, keep=config.checkpoint.keep)
+    resume = _resume_path(config, checkpoints)
+    if config.training.batch_size % world.world_size:
+        raise ValueError(
+            f"--training.batch_size {config.training.batch_size} does not split evenly over {world.world_size} "
+            "processes; use a multiple of the process count."
+        )
+    if world.is_main:
+        save_config(config, output / "config.toml")
+
+    base = load_base(config.model)
+    source = _build_source(config, base, world, output)
+    plan = BatchPlan(source.buckets(), batch_size=config.training.batch_size, seed=config.training.seed)
+    compute_dtype = torch.bfloat16 if config.training.precision == "bf16" else torch.float32
+    teacher = make_teacher(base, dtype=compute_dtype) if config.loss.needs_teacher else None
+    handle = build_student(base, config.model)
+    split = split_parameters(handle, config.model, config.optim)
+    memory = _plan(config, handle, split, source, plan, world, teacher)
+
+    student = handle.model.to(world.device).train()
+    captures: tuple[AttentionCapture | None, AttentionCapture | None] = (None, None)
+    if teacher is not None:
+        teacher.to(world.device)
+        if config.loss.feature_weight > 0:
+            names = [f"transformer_{name}" for name in handle.modules]
+            captures = (AttentionCapture(student, names), AttentionCapture(teacher, names))
+    if config.training.gradient_checkpointing:
+        apply_activation_checkpointing(student)
+    if config.parallel.mode == "ddp":
+        if config.training.precision == "bf16":
+            store_frozen_in(student, torch.bfloat16)
+        model = apply_ddp(student, world)
+    else:
+        param_dtype = torch.bfloat16 if config.training.precision == "bf16" else None
+        model = apply_fsdp(student, param_dtype=param_dtype)
+        if teacher is not None:
+            apply_fsdp(teacher, param_dtype=param_dtype, name="teacher")
+    optimizer = build_optimizer(model, split, config.optim)
+    scheduler = build_scheduler(optimizer, config.optim, steps=config.training.steps)
+
+    metrics = MetricsWriter(output / "metrics.jsonl", enabled=world.is_main)
+    start = 0
+    if resume is not None:
+        resumed = checkpoints.load(resume, model=model, optimizer=optimizer, scheduler=scheduler)
+        _check_resume_config(resumed.state["config"], config)
+        start = resumed.step
+        metrics.resume_at(start)
+    elif world.is_main and metrics.path.exists():
+        metrics.path.unlink()
+    logger.info(
+        "Trainer built: %d converted modules, %d processes (%s), global batch %d, steps %d-%d, %s",
+        len(handle.modules),
+        world.world_size,
+        config.parallel.mode,
+        config.training.batch_size,
+        start,
+        config.training.steps,
+        config.training.precision,
+    )
+    parts = TrainParts(
+        config=config,
+        world=world,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        source=source,
+        plan=plan,
+        checkpoints=checkpoints,
+        metrics=metrics,
+        teacher=teacher,
+        student_capture=captures[0],
+        teacher_capture=captures[1],
+        extra_state={"world_size": world.world_size, "config": config_to_toml(config)},
+    )
+    budget = config.training.max_minutes * 60
+    deadline = time.monotonic() + budget if budget else None
+    result = train_loop(parts, start_step=start, deadline=deadline)
+
+    weights = output / config.output.name
+    provenance = {
+        "trainer": "trainer/run.py",
+        "steps": result.step,
+        "base": config.model.base,
+        "trainable": config.model.trainable,
+        "data": config.data.source,
+        "loss_weights": {key: getattr(config.loss, f"{key}_weight") for key in ("flow", "distill", "feature")},
+    }
+    export_weights(weights, handle, split, world, provenance=provenance)
+    if world.is_main:
+        write_report(
+            output,
+            {
+                "step": result.step,
+                "stop_reason": result.stop_reason,
+                "loop_seconds": round(result.seconds, 2),
+                "processes": world.world_size,
+                "parallel": config.parallel.mode,
+                "weights": str(weights),
+                "config": str(output / "config.toml"),
+                "metrics": str(metrics.path),
+                "last_step": result.last,
+                "memory_plan_gib": {k: round(v, 3) for k, v in memory.components.items()},
+                "parameters": {"new": len(split.new), "inherited": len(split.inherited), "frozen": len(split.frozen)},
+            },
+        )
+    return RunResult(output, weights, result.step, result.stop_reason, result.last, result.seconds, handle)
