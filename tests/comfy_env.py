@@ -65,7 +65,9 @@ def locate() -> Path | None:
     if explicit:
         path = Path(explicit).expanduser().resolve()
         if not _is_tree(path):
-            raise FileNotFoundError(f"COMFYUI_PATH={explicit} is not a ComfyUI tree (no main.py, nodes.py, comfy/). Fix or unset it.")
+            raise FileNotFoundError(
+                f"COMFYUI_PATH={explicit} is not a ComfyUI tree (no main.py, nodes.py, comfy/). Fix or unset it."
+            )
         return path
     for parent in REPO_ROOT.parents:
         if parent.name == "custom_nodes" and _is_tree(parent.parent):
@@ -180,3 +182,25 @@ def write_t5_weights(
             for weight in module.fast_weights():
                 weight.normal_(0.0, fast_weight_std)
     return save_t5_weights(path, modules, arch=arch, config=config, base=base, provenance={"made_by": "tests"})
+
+
+def predict(patcher, x: torch.Tensor, sigma: float, context: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    """One model evaluation as ComfyUI's samplers make it: load and patch the model and its
+    additional models, merge the patcher's wrappers into `transformer_options`, `apply_model`.
+
+    Returns:
+        The model's velocity prediction `(x - denoised) / sigma`, fp32 on CPU.
+    """
+    import comfy.model_management
+    import comfy.patcher_extension
+
+    comfy.model_management.load_models_gpu([patcher, *patcher.get_nested_additional_models()])
+    options = comfy.patcher_extension.copy_nested_dicts(patcher.model_options["transformer_options"])
+    comfy.patcher_extension.merge_nested_dicts(options.setdefault("wrappers", {}), patcher.wrappers, copy_dict1=False)
+    device = comfy.model_management.get_torch_device()
+    sigmas = torch.full((x.shape[0],), sigma, device=device)
+    with torch.no_grad():
+        denoised = patcher.model.apply_model(
+            x.to(device), sigmas, c_crossattn=context.to(device), y=pooled.to(device), transformer_options=options
+        )
+    return ((x.to(device) - denoised.float()) / sigma).cpu()

@@ -147,7 +147,9 @@ class JointForward:
             return torch.utils.checkpoint.checkpoint(self._mix, context, x, c, options, use_reentrant=False)
         return self._mix(context, x, c, options)
 
-    def _attend(self, module: T5Attention | None, qkv: tuple[Tensor, ...], *, heads: int, text_tokens: int, options: dict) -> Tensor:
+    def _attend(
+        self, module: T5Attention | None, qkv: tuple[Tensor, ...], *, heads: int, text_tokens: int, options: dict
+    ) -> Tensor:
         q, k, v = qkv
         if module is None:
             return self._mmdit.optimized_attention(q, k, v, heads=heads, transformer_options=options)
@@ -171,7 +173,7 @@ class JointForward:
         else:
             x_qkv, x_rest = x_block.pre_attention(x, c)
         text_tokens = context_qkv[0].shape[1]
-        joint = tuple(torch.cat((text, image), dim=1) for text, image in zip(context_qkv, x_qkv))
+        joint = tuple(torch.cat((text, image), dim=1) for text, image in zip(context_qkv, x_qkv, strict=True))
         attn = self._attend(self.attn, joint, heads=x_block.attn.num_heads, text_tokens=text_tokens, options=options)
         context_attn, x_attn = attn[:, :text_tokens], attn[:, text_tokens:]
         context = None if context_block.pre_only else context_block.post_attention(context_attn, *context_rest)
@@ -263,7 +265,9 @@ def linearize(
     arch = arch_of(diffusion)
     chosen = check_compatible(weights, arch, layers)
     if not chosen:
-        raise ValueError(f"layers {layers!r} selects no attention module; to run the model unchanged, turn T5 Linearize off.")
+        raise ValueError(
+            f"layers {layers!r} selects no attention module; to run the model unchanged, turn T5 Linearize off."
+        )
     base = _base_patches(weights, model_patcher)
     modules = T5Modules(build_modules(weights, chosen, backend=backend))
     modules.requires_grad_(False)
