@@ -1,0 +1,231 @@
+"""Dispatch between the torch path and the kernels, what the kernels refuse, and the import
+contract of the `kernels` package."""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+from kernels import support
+from t5core import T5Attention, backend
+from t5core.ttt import t5_attention_ref
+from tests.kernels.testing import assert_close
+
+H, D, GRID, TEXT = 2, 16, (3, 5), 4
+
+
+@pytest.fixture
+def module() -> T5Attention:
+    torch.manual_seed(0)
+    return T5Attention(H, D)
+
+
+@pytest.fixture
+def qkv() -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(1)
+    return tuple(torch.randn(2, GRID[0] * GRID[1] + TEXT, H, D, generator=generator) for _ in range(3))
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record calls of `kernels.t5_attention` (still running it) as T5Attention makes them."""
+    calls: list[str] = []
+    real = kernels.t5_attention
+
+    def spy(*args, **kwargs):
+        calls.append("triton")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "t5_attention", spy)
+    monkeypatch.delenv("T5_BACKEND", raising=False)
+    backend._log_once.cache_clear()
+    return calls
+
+
+def _reference(module: T5Attention, q, k, v) -> torch.Tensor:
+    return t5_attention_ref(
+        q,
+        k,
+        v,
+        weights=module.fast_weights(),
+        q_conv=(module.q_conv.weight, module.q_conv.bias),
+        k_conv=(module.k_conv.weight, module.k_conv.bias),
+        grid=GRID,
+        text_tokens=TEXT,
+    )
+
+
+@pytest.mark.parametrize("requested", ["auto", "torch"])
+def test_cpu_without_interpreter_runs_the_torch_path(requested, module, qkv, kernel_calls, monkeypatch, caplog):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    module.backend = requested
+    with caplog.at_level(logging.INFO, logger="t5core.backend"):
+        out = module(*qkv, grid=GRID, text_tokens=TEXT)
+    assert kernel_calls == []
+    assert torch.equal(out, _reference(module, *qkv))
+    if requested == "auto":
+        assert "running the torch path because q is on cpu" in caplog.text
+
+
+def test_triton_requested_on_cpu_without_interpreter_raises_with_reason(module, qkv, kernel_calls, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    module.backend = "triton"
+    with pytest.raises(RuntimeError, match=r"q is on cpu; the kernels need a CUDA tensor .*backend='torch'"):
+        module(*qkv, grid=GRID, text_tokens=TEXT)
+    assert kernel_calls == []
+
+
+def test_triton_under_interpreter_matches_torch_with_gradients(device, module, qkv, kernel_calls):
+    module.to(device)
+    leaves = [x.to(device).requires_grad_() for x in qkv]
+    module.backend = "torch"
+    ref = module(*leaves, grid=GRID, text_tokens=TEXT)
+    ref.square().sum().backward()
+    ref_grads = [x.grad.clone() for x in leaves] + [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+    for x in leaves:
+        x.grad = None
+    module.backend = "triton"
+    out = module(*leaves, grid=GRID, text_tokens=TEXT)
+    out.square().sum().backward()
+    grads = [x.grad for x in leaves] + [p.grad for p in module.parameters()]
+    assert kernel_calls == ["triton"]
+    assert_close("out", ref, out, 1e-5)
+    for index, (r, g) in enumerate(zip(ref_grads, grads, strict=True)):
+        assert_close(f"grad {index}", r, g, 1e-5)
+
+
+def test_auto_picks_the_kernels_when_they_can_run(device, module, qkv, kernel_calls, caplog):
+    module.to(device)
+    with caplog.at_level(logging.INFO, logger="t5core.backend"):
+        module(*(x.to(device) for x in qkv), grid=GRID, text_tokens=TEXT)
+    assert kernel_calls == ["triton"]
+    assert "running the Triton kernels" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "env,calls",
+    [pytest.param("torch", [], id="T5_BACKEND=torch"), pytest.param("triton", ["triton"], id="T5_BACKEND=triton")],
+)
+def test_t5_backend_environment_overrides_auto(env, calls, device, module, qkv, kernel_calls, monkeypatch):
+    module.to(device)
+    monkeypatch.setenv("T5_BACKEND", env)
+    module(*(x.to(device) for x in qkv), grid=GRID, text_tokens=TEXT)
+    assert kernel_calls == calls
+
+
+def test_t5_backend_environment_does_not_override_an_explicit_backend(device, module, qkv, kernel_calls, monkeypatch):
+    module.to(device)
+    monkeypatch.setenv("T5_BACKEND", "triton")
+    module.backend = "torch"
+    module(*(x.to(device) for x in qkv), grid=GRID, text_tokens=TEXT)
+    assert kernel_calls == []
+
+
+@pytest.mark.parametrize(
+    "shape,dtype,variant,reason",
+    [
+        pytest.param((1, 8, 2, 16), torch.float64, "swiglu", "dtype float64 is not supported", id="float64"),
+        pytest.param((1, 8, 2, 60), torch.float32, "swiglu", "head_dim 60 is not a power of two", id="D60"),
+        pytest.param((1, 8, 2, 8), torch.float32, "mlp", r"head_dim 8 is outside \[16, 128\]", id="D8"),
+        pytest.param((1, 8, 2, 256), torch.float32, "mlp", r"head_dim 256 is outside \[16, 128\]", id="D256"),
+        pytest.param((8, 2, 16), torch.float32, "swiglu", r"q must be \(B, N, H, D\)", id="3d"),
+        pytest.param((1, 8, 2, 16), torch.float32, "gelu", "variant 'gelu' is not one of", id="variant"),
+    ],
+)
+def test_unsupported_calls_name_the_problem(shape, dtype, variant, reason, device):
+    q = torch.zeros(shape, dtype=dtype, device=device)
+    assert support.unsupported_reason(q, variant=variant) is not None
+
+    assert re.search(reason, support.unsupported_reason(q, variant=variant))
+
+
+def test_bfloat16_is_refused_under_the_interpreter(device):
+    if device.type == "cuda":
+        pytest.skip("bf16 runs on CUDA")
+    reason = support.unsupported_reason(torch.zeros(1, 8, 2, 16, dtype=torch.bfloat16), variant="swiglu")
+    assert "bfloat16 under TRITON_INTERPRET=1" in reason
+
+
+def test_triton_requested_for_an_unsupported_dtype_raises(device, kernel_calls):
+    module = T5Attention(H, 60, backend="triton").to(device)
+    q = torch.zeros(1, 9, H, 60, device=device)
+    with pytest.raises(RuntimeError, match="head_dim 60 is not a power of two.*backend='torch'"):
+        module(q, q, q, grid=(3, 3))
+
+
+def test_supported_call_has_no_reason(device):
+    assert support.unsupported_reason(torch.zeros(1, 8, 2, 16, device=device), variant="swiglu") is None
+
+
+def _call_kwargs(**overrides):
+    generator = torch.Generator().manual_seed(0)
+    w = [torch.randn(H, D, D, generator=generator) for _ in range(3)]
+    conv = (torch.randn(H * D, 1, 3, 3, generator=generator), torch.randn(H * D, generator=generator))
+    kwargs = dict(weights=tuple(w), variant="swiglu", q_conv=conv, k_conv=conv, grid=(3, 3), text_tokens=2)
+    kwargs.update(overrides)
+    return kwargs
+
+
+@pytest.mark.parametrize(
+    "overrides,k_dtype,error,match",
+    [
+        pytest.param({"grid": (3, 4)}, None, ValueError, r"grid \(3, 4\) holds 12 image tokens", id="grid"),
+        pytest.param({"grid": None}, None, ValueError, "grid=\\(h, w\\) is required", id="no-grid"),
+        pytest.param({"k_conv": None}, None, ValueError, "both q_conv and k_conv", id="one-conv"),
+        pytest.param({"variant": "mlp"}, None, ValueError, "'mlp' takes 2 fast weights; got 3", id="weights"),
+        pytest.param({"text_tokens": 11}, None, ValueError, r"text_tokens must be in \[0, N\)", id="text"),
+        pytest.param({}, torch.float16, ValueError, "q, k and v in one dtype", id="mixed-dtype"),
+    ],
+)
+def test_bad_input_raises_a_clear_error(overrides, k_dtype, error, match, device):
+    q = torch.randn(1, 11, H, D, device=device)
+    k = q.to(k_dtype) if k_dtype is not None else q
+    kwargs = {
+        name: (
+            tuple(t.to(device) for t in value)
+            if isinstance(value, tuple) and value and torch.is_tensor(value[0])
+            else value
+        )
+        for name, value in _call_kwargs(**overrides).items()
+    }
+    with pytest.raises(error, match=match):
+        kernels.t5_attention(q, k, q, **kwargs)
+
+
+def test_kernels_api_is_exact():
+    assert kernels.__all__ == ["t5_attention", "unsupported_reason"]
+    assert kernels.unsupported_reason is support.unsupported_reason
+
+
+def _python(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_kernels_import_cleanly_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, kernels\n"
+        "print(kernels.unsupported_reason(torch.zeros(1, 4, 2, 16), variant='swiglu'))\n"
+        "try:\n"
+        "    kernels.t5_attention(*(torch.zeros(1, 4, 2, 16),) * 3, weights=())\n"
+        "except RuntimeError as error:\n"
+        "    print(error)\n"
+    )
+    reason, error = _python(code).splitlines()
+    assert reason.startswith("triton is not installed")
+    assert "need triton (pip install triton)" in error
+
+
+def test_kernels_import_only_torch_and_triton():
+    code = (
+        "import sys, kernels\n"
+        "print(sorted(m for m in ('t5core', 'comfy', 'diffusers', 'trainer', 'nodes') if m in sys.modules))"
+    )
+    assert _python(code) == "[]"

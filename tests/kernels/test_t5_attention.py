@@ -1,0 +1,124 @@
+"""The fused kernels against the reference `t5core.ttt.t5_attention_ref`: output and every
+gradient, over grids (non-square, odd, 1 x n, n x 1), text first / last / none, both inner models,
+batch > 1, fp32 / fp16 (bf16 on CUDA only), and bitwise reproducibility."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import t5_attention
+from t5core.ttt import t5_attention_ref
+from tests.kernels.testing import Case, assert_close, make_leaves, run
+
+f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (SD3.5 shapes, bf16 MMA)")
+
+# Relative RMS error allowed per input dtype. fp32: the kernels keep fp32 (ieee) products, so only
+# summation order differs. fp16 / bf16: MMA operands are rounded to the input dtype (fp32
+# accumulation), about 2^-11 / 2^-8 relative per operand, compounded through the inner step and
+# its second-order backward.
+RATIO = {f32: 1e-5, f16: 3e-3, bf16: 2e-2}
+
+SMALL = [
+    Case(2, 2, 16, (5, 7), 11, True, "swiglu", f32),
+    Case(1, 2, 16, (3, 4), 5, False, "mlp", f32),
+    Case(2, 1, 16, (1, 9), 0, True, "swiglu", f16),
+    Case(1, 2, 16, (9, 1), 4, False, "swiglu", f32),
+    Case(2, 2, 16, (4, 6), 3, True, "mlp", f16),
+    Case(1, 1, 32, (7, 5), 13, False, "swiglu", f32),
+    Case(1, 2, 16, (8, 8), 16, True, "swiglu", f16),
+    Case(2, 1, 16, (6, 6), 0, True, "mlp", f32, locality=False),
+    Case(1, 1, 16, (2, 3), 1, True, "swiglu", f32, key_norm_eps=None),
+    Case(1, 2, 16, (5, 5), 2, False, "mlp", f32, locality=False, key_norm_eps=None),
+    Case(2, 2, 16, (3, 5), 7, False, "swiglu", bf16),
+]
+SD35 = [
+    Case(2, 24, 64, (64, 64), 333, True, "swiglu", bf16),
+    Case(2, 24, 64, (64, 64), 333, False, "swiglu", f16),
+    Case(2, 24, 64, (64, 64), 0, True, "mlp", bf16),
+    Case(2, 24, 64, (48, 80), 333, False, "mlp", f32),
+]
+SD35_2K = [Case(2, 24, 64, (128, 128), 333, False, "swiglu", bf16)]
+
+
+def _skip_unsupported(case: Case, device: torch.device) -> None:
+    if case.dtype == bf16 and device.type != "cuda":
+        pytest.skip("bf16 tl.dot is wrong under the Triton interpreter (triton-lang/triton#11584)")
+
+
+def _compare(case: Case, device: torch.device) -> None:
+    _skip_unsupported(case, device)
+    leaves = make_leaves(case, device)
+    ref = run(t5_attention_ref, case, leaves)
+    out = run(t5_attention, case, leaves)
+    assert ref.keys() == out.keys()
+    for name in ref:
+        assert_close(name, ref[name], out[name], RATIO[case.dtype])
+
+
+@pytest.mark.parametrize("case", [c.param() for c in SMALL])
+def test_matches_reference_forward_and_backward(case: Case, device: torch.device):
+    _compare(case, device)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(2, 2, 16, (3, 5), 6, True, "swiglu", f32).param(),
+        Case(2, 1, 16, (4, 3), 5, False, "mlp", f16).param(),
+    ],
+)
+def test_two_runs_give_identical_bits(case: Case, device: torch.device):
+    leaves = make_leaves(case, device)
+    first, second = run(t5_attention, case, leaves), run(t5_attention, case, leaves)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_empty_allocations_are_poisoned_during_kernel_tests():
+    assert torch.empty(4).isnan().all() and torch.empty_like(torch.zeros(2, 2)).isnan().all()
+
+
+def test_inputs_are_not_modified(device: torch.device):
+    case = Case(1, 1, 16, (3, 3), 2, True, "swiglu", f32)
+    leaves = make_leaves(case, device)
+    copies = {name: t.clone() for name, t in leaves.items()}
+    run(t5_attention, case, leaves)
+    for name, tensor in leaves.items():
+        assert torch.equal(tensor, copies[name]), name
+
+
+def test_non_contiguous_inputs_match_contiguous(device: torch.device):
+    case = Case(1, 2, 16, (3, 4), 2, False, "mlp", f32)
+    leaves = make_leaves(case, device)
+    qkv = torch.stack([leaves["q"], leaves["k"], leaves["v"]], dim=3)  # (B, N, H, 3, D): strided views
+    q, k, v = qkv.unbind(dim=3)
+    assert not q.is_contiguous()
+    weights = (leaves["w1"], leaves["w2"])
+    conv = {n: (leaves[f"{n}.weight"], leaves[f"{n}.bias"]) for n in ("q_conv", "k_conv")}
+    kwargs = dict(weights=weights, variant="mlp", grid=case.grid, text_tokens=2, text_first=False, **conv)
+    assert torch.equal(
+        t5_attention(q, k, v, **kwargs), t5_attention(q.contiguous(), k.contiguous(), v.contiguous(), **kwargs)
+    )
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", [c.param() for c in SD35])
+def test_matches_reference_at_sd35_1k_shapes(case: Case):
+    _compare(case, torch.device("cuda"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", [c.param() for c in SD35_2K])
+def test_matches_reference_at_sd35_2k_shape(case: Case):
+    _compare(case, torch.device("cuda"))
+
+
+@needs_cuda
+def test_sd35_shape_two_runs_give_identical_bits():
+    case = SD35[0]
+    leaves = make_leaves(case, torch.device("cuda"))
+    first, second = run(t5_attention, case, leaves), run(t5_attention, case, leaves)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name

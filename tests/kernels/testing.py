@@ -1,0 +1,111 @@
+"""Helpers for the kernel tests: one comparison rule, and cases built from a readable spec."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+
+def assert_close(name: str, ref: Tensor, out: Tensor, ratio: float) -> None:
+    """Relative RMS error of `out` against `ref` is at most `ratio`; the max abs error is logged."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (
+        f"{name}: {out.shape}/{out.dtype} vs {ref.shape}/{ref.dtype}"
+    )
+    diff = (out.double() - ref.double()).flatten()
+    assert torch.isfinite(diff).all(), f"{name}: non-finite values (an unwritten tile?)"
+    rel = (diff.norm() / ref.double().norm().clamp_min(1e-30)).item()
+    logger.info("%s: relative RMS error %.2e, max abs error %.2e", name, rel, diff.abs().max().item())
+    assert rel <= ratio, f"{name}: relative RMS error {rel:.2e} > {ratio:.0e} (max abs {diff.abs().max().item():.2e})"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One kernel call: shapes, token layout, inner model, dtype and options."""
+
+    batch: int
+    heads: int
+    dim: int
+    grid: tuple[int, int]
+    text: int
+    text_first: bool
+    variant: str
+    dtype: torch.dtype
+    locality: bool = True
+    key_norm_eps: float | None = 1.0
+
+    @property
+    def tokens(self) -> int:
+        return self.grid[0] * self.grid[1] + self.text
+
+    @property
+    def id(self) -> str:
+        where = "first" if self.text_first else "last"
+        text = f"txt{self.text}{where}" if self.text else "notxt"
+        parts = [f"B{self.batch}-H{self.heads}-D{self.dim}-g{self.grid[0]}x{self.grid[1]}-{text}-{self.variant}"]
+        parts.append({torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[self.dtype])
+        if not self.locality:
+            parts.append("noloc")
+        if self.key_norm_eps is None:
+            parts.append("nonorm")
+        return "-".join(parts)
+
+    def param(self, *marks: pytest.MarkDecorator) -> object:
+        return pytest.param(self, id=self.id, marks=marks)
+
+
+def make_leaves(case: Case, device: torch.device, *, seed: int = 42) -> dict[str, Tensor]:
+    """Seeded inputs and parameters of a case (fp32 parameters, activations in the case's dtype).
+
+    Fast weights use std 0.2 rather than the 0.02 init so that every term of the inner step
+    moves the output well above rounding noise.
+    """
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, std: float = 1.0, dtype: torch.dtype = torch.float32) -> Tensor:
+        return (torch.randn(*shape, generator=generator) * std).to(device=device, dtype=dtype)
+
+    shape = (case.batch, case.tokens, case.heads, case.dim)
+    leaves = {name: randn(*shape, dtype=case.dtype) for name in ("q", "k", "v")}
+    n_weights = 3 if case.variant == "swiglu" else 2
+    for index in range(1, n_weights + 1):
+        leaves[f"w{index}"] = randn(case.heads, case.dim, case.dim, std=0.2)
+    if case.locality:
+        channels = case.heads * case.dim
+        for name in ("q_conv", "k_conv"):
+            leaves[f"{name}.weight"] = randn(channels, 1, 3, 3, std=0.3)
+            leaves[f"{name}.bias"] = randn(channels, std=0.1)
+    leaves["grad_out"] = randn(*shape, dtype=case.dtype)
+    return leaves
+
+
+def run(fn: Callable[..., Tensor], case: Case, leaves: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Call `fn` (the reference or the kernels) on fresh copies of the leaves and backpropagate
+    `grad_out`; return the output and every gradient by name."""
+    inputs = {name: t.clone().requires_grad_() for name, t in leaves.items() if name != "grad_out"}
+    weights = tuple(inputs[name] for name in ("w1", "w2", "w3") if name in inputs)
+    conv = {
+        name: (inputs[f"{name}.weight"], inputs[f"{name}.bias"]) if case.locality else None
+        for name in ("q_conv", "k_conv")
+    }
+    out = fn(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        weights=weights,
+        variant=case.variant,
+        q_conv=conv["q_conv"],
+        k_conv=conv["k_conv"],
+        grid=case.grid,
+        text_tokens=case.text,
+        text_first=case.text_first,
+        key_norm_eps=case.key_norm_eps,
+    )
+    out.backward(leaves["grad_out"])
+    return {"out": out.detach(), **{f"d{name}": t.grad for name, t in inputs.items()}}
