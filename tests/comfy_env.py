@@ -204,3 +204,41 @@ def predict(patcher, x: torch.Tensor, sigma: float, context: torch.Tensor, poole
             x.to(device), sigmas, c_crossattn=context.to(device), y=pooled.to(device), transformer_options=options
         )
     return ((x.to(device) - denoised.float()) / sigma).cpu()
+
+
+class _Server:
+    """What `execution.PromptExecutor` needs of ComfyUI's PromptServer when nobody is listening."""
+
+    client_id = None
+    last_node_id = None
+    last_prompt_id = None
+    sockets_metadata: dict = {}
+
+    def send_sync(self, event, data, sid=None) -> None:
+        pass
+
+    def queue_updated(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    success: bool
+    errors: list[str]
+    outputs: dict
+
+
+def run_prompt(prompt: dict, prompt_id: str = "t5-test") -> PromptResult:
+    """Validate and execute an API-format prompt with ComfyUI's own executor (no server, no cache)."""
+    import execution
+
+    valid, error, outputs, node_errors = asyncio.run(execution.validate_prompt(prompt_id, prompt, None))
+    if not valid:
+        messages = [str(error.get("message", error)) if isinstance(error, dict) else str(error)]
+        for node in node_errors.values():
+            messages += [f"{item['message']}: {item['details']}" for item in node["errors"]]
+        return PromptResult(False, messages, {})
+    executor = execution.PromptExecutor(_Server(), cache_type=False)
+    executor.execute(prompt, prompt_id, extra_data={}, execute_outputs=outputs)
+    errors = [data["exception_message"] for event, data in executor.status_messages if event == "execution_error"]
+    return PromptResult(executor.success, errors, executor.history_result.get("outputs", {}))

@@ -409,6 +409,70 @@ def test_base_tensors_that_do_not_fit_the_model_are_refused(comfy, model, arch):
     )
     with pytest.raises(
         T5WeightsError,
-        match=r"bad_base\.safetensors: base tensor 'joint_blocks\.0\.x_block\.attn\.qkv\.weight' is \(3, 3\), the model's is \(384, 128\)",
+        match=r"bad_base\.safetensors: base tensor 'joint_blocks\.0\.x_block\.attn\.qkv\.weight' "
+        r"is \(3, 3\), the model's is \(384, 128\)",
     ):
         linearize(model, path)
+
+
+def _sample(patcher, *, negative_tokens: int = 154, steps: int = 2, cfg: float = 4.5) -> torch.Tensor:
+    """KSampler's own code path: euler / sgm_uniform, CFG. SD3 conditioning of different text lengths
+    is never batched together (ComfyUI's SD3 `c_crossattn` is a `CONDRegular`), equal lengths are."""
+    import nodes
+
+    generator = torch.Generator().manual_seed(9)
+    positive = [
+        [torch.randn(1, 154, 32, generator=generator), {"pooled_output": torch.randn(1, 64, generator=generator)}]
+    ]
+    negative = [
+        [
+            torch.randn(1, negative_tokens, 32, generator=generator),
+            {"pooled_output": torch.randn(1, 64, generator=generator)},
+        ]
+    ]
+    latent = {"samples": torch.zeros(2, 16, 12, 20)}
+    with torch.no_grad():
+        out = nodes.common_ksampler(patcher, 42, steps, cfg, "euler", "sgm_uniform", positive, negative, latent)
+    return out[0]["samples"]
+
+
+def _count_chunks(patcher, seen: list[int]):
+    import comfy.patcher_extension
+
+    def spy(executor, *args, **kwargs):
+        seen.append(len(args[5]["cond_or_uncond"]))
+        return executor(*args, **kwargs)
+
+    patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, "test_spy", spy)
+    return patcher
+
+
+def test_sampling_with_cfg_batched_or_split_gives_the_same_latents(model, weights_all, monkeypatch):
+    import comfy.model_management
+    from comfy_extras.nodes_model_advanced import ModelSamplingSD3
+
+    from t5core.hosts.comfy import linearize
+
+    shifted = ModelSamplingSD3().patch(model, 3.0)[0]
+    batched_chunks: list[int] = []
+    batched = _sample(_count_chunks(linearize(shifted, weights_all), batched_chunks))
+    split_chunks: list[int] = []
+    monkeypatch.setattr(comfy.model_management, "get_free_memory", lambda *args, **kwargs: 0)
+    split = _sample(_count_chunks(linearize(shifted, weights_all), split_chunks))
+    assert set(batched_chunks) == {2} and set(split_chunks) == {1}
+    assert torch.isfinite(batched).all()
+    torch.testing.assert_close(split, batched, atol=1e-4, rtol=1e-4)
+
+
+def test_skip_layer_guidance_composes_with_t5(model, weights_all):
+    from comfy_extras.nodes_sd3 import SkipLayerGuidanceSD3
+
+    from t5core.hosts.comfy import linearize
+
+    converted = linearize(model, weights_all)
+    guided = SkipLayerGuidanceSD3.execute(converted, layers="0", scale=3.0, start_percent=0.0, end_percent=1.0).result[
+        0
+    ]
+    plain, with_slg = _sample(converted, negative_tokens=77), _sample(guided, negative_tokens=77)
+    assert torch.isfinite(with_slg).all()
+    assert not torch.equal(plain, with_slg)

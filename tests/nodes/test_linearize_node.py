@@ -1,0 +1,169 @@
+"""The "T5 Linearize" node as ComfyUI sees it: registration, schema, models folder, validation and a
+whole prompt through ComfyUI's executor on a tiny SD3.5-format checkpoint written here.
+
+Runs when ComfyUI is found (tests/comfy_env.py), skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from t5core.config import BaseArch
+from tests import comfy_env
+from tests.tiny_models import tiny_transformer
+
+ARCH = BaseArch(depth=2, heads=2, head_dim=64, dual_attention_layers=(0,), qk_norm=True)
+
+
+@pytest.fixture(scope="session")
+def comfy(tmp_path_factory):
+    return comfy_env.comfy_env(tmp_path_factory.mktemp("comfyui"))
+
+
+@pytest.fixture(scope="module")
+def node(comfy):
+    return comfy.nodes.NODE_CLASS_MAPPINGS["T5Linearize"]
+
+
+@pytest.fixture(scope="module")
+def assets(comfy):
+    """A tiny SD3.5-format single-file checkpoint and T5 weights files in the ComfyUI models folders."""
+    checkpoint = comfy.models_dir / "checkpoints" / "tiny_sd35m_e2e.safetensors"
+    comfy_env.write_checkpoint(checkpoint, tiny_transformer("comfy_sd35_medium_like", seed=7))
+    folder = comfy.models_dir / "t5_linearize"
+    comfy_env.write_t5_weights(folder / "tiny_e2e.safetensors", ARCH, ARCH.attention_modules(), seed=3)
+    other = BaseArch(depth=3, heads=3, head_dim=64, qk_norm=True)
+    comfy_env.write_t5_weights(folder / "for_another_model.safetensors", other, other.attention_modules())
+    return checkpoint
+
+
+def _prompt(*, weights: str = "tiny_e2e.safetensors", layers: str = "", enabled: bool = True, prefix: str) -> dict:
+    """CheckpointLoaderSimple -> ModelSamplingSD3 -> T5 Linearize -> KSampler (CFG, text of two lengths,
+    non-square batch-2 latent) -> SaveLatent."""
+    return {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "tiny_sd35m_e2e.safetensors"}},
+        "2": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["1", 0], "shift": 3.0}},
+        "3": {
+            "class_type": "T5Linearize",
+            "inputs": {"model": ["2", 0], "weights": weights, "layers": layers, "enabled": enabled},
+        },
+        "4": {
+            "class_type": "T5TestConditioning",
+            "inputs": {"seed": 1, "tokens": 154, "context_dim": 32, "pooled_dim": 64},
+        },
+        "5": {
+            "class_type": "T5TestConditioning",
+            "inputs": {"seed": 2, "tokens": 77, "context_dim": 32, "pooled_dim": 64},
+        },
+        "6": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 160, "height": 96, "batch_size": 2}},
+        "7": {
+            "class_type": "KSampler",
+            "inputs": {
+                "model": ["3", 0],
+                "seed": 42,
+                "steps": 3,
+                "cfg": 4.5,
+                "sampler_name": "euler",
+                "scheduler": "sgm_uniform",
+                "positive": ["4", 0],
+                "negative": ["5", 0],
+                "latent_image": ["6", 0],
+                "denoise": 1.0,
+            },
+        },
+        "8": {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": prefix}},
+    }
+
+
+def _latents(comfy, result: comfy_env.PromptResult) -> torch.Tensor:
+    assert result.success, result.errors
+    saved = result.outputs["8"]["latents"][0]
+    return load_file(str(comfy.output_dir / saved["subfolder"] / saved["filename"]))["latent_tensor"]
+
+
+def test_the_pack_registers_one_v3_node_with_tooltips(comfy, node):
+    schema = node.GET_SCHEMA()
+    assert (schema.node_id, schema.display_name, schema.category) == ("T5Linearize", "T5 Linearize", "T5")
+    assert comfy.nodes.NODE_DISPLAY_NAME_MAPPINGS["T5Linearize"] == "T5 Linearize"
+    assert "bypass" in schema.description
+    assert [i.id for i in schema.inputs] == ["model", "weights", "layers", "enabled"]
+    assert all(item.tooltip for item in [*schema.inputs, *schema.outputs])
+
+
+def test_the_models_folder_lists_only_safetensors(comfy, node):
+    import folder_paths
+
+    folder = comfy.models_dir / "t5_linearize"
+    (folder / "nested").mkdir(parents=True, exist_ok=True)
+    for name in ("nested/deep.safetensors", "notes.txt", "old.ckpt", "pickle.pt"):
+        (folder / name).write_bytes(b"x")
+    listed = folder_paths.get_filename_list("t5_linearize")
+    assert "nested/deep.safetensors" in listed
+    assert not [name for name in listed if not name.endswith(".safetensors")]
+    options = next(item for item in node.GET_SCHEMA().inputs if item.id == "weights").options
+    assert options == listed
+
+
+def test_off_returns_the_incoming_model_itself(node):
+    sentinel = object()
+    assert node.execute(model=sentinel, weights="any.safetensors", layers="", enabled=False).result == (sentinel,)
+
+
+@pytest.mark.parametrize(
+    "inputs, match",
+    [
+        pytest.param(
+            {"weights": "missing.safetensors"},
+            r"'missing\.safetensors' is not in the t5_linearize models folder",
+            id="missing-file",
+        ),
+        pytest.param({"weights": "missing.safetensors", "enabled": False}, None, id="off-needs-no-file"),
+    ],
+)
+def test_validate_inputs_names_the_folder(node, assets, inputs, match):
+    outcome = node.validate_inputs(**inputs)
+    if match is None:
+        assert outcome is True
+    else:
+        assert isinstance(outcome, str) and re.search(match, outcome)
+
+
+def test_a_prompt_runs_end_to_end_and_t5_changes_the_latents(comfy, assets):
+    softmax = _latents(comfy, comfy_env.run_prompt(_prompt(enabled=False, prefix="softmax")))
+    t5 = _latents(comfy, comfy_env.run_prompt(_prompt(prefix="t5")))
+    again = _latents(comfy, comfy_env.run_prompt(_prompt(prefix="t5_again")))
+    partial = _latents(comfy, comfy_env.run_prompt(_prompt(layers="joint:1", prefix="t5_partial")))
+    assert t5.shape == softmax.shape == (2, 16, 12, 20)
+    assert torch.isfinite(t5).all() and torch.isfinite(partial).all()
+    assert not torch.equal(t5, softmax) and not torch.equal(partial, t5) and not torch.equal(partial, softmax)
+    assert torch.equal(t5, again)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        pytest.param(
+            {"weights": "for_another_model.safetensors"},
+            r"for_another_model\.safetensors: was made for",
+            id="other-architecture",
+        ),
+        pytest.param(
+            {"layers": "attn2:1"}, r"blocks\.1\.attn2, which the model does not have", id="layers-not-in-model"
+        ),
+        pytest.param(
+            {"weights": "nope.safetensors"},
+            r"'nope\.safetensors' is not in the t5_linearize models folder",
+            id="unknown-file",
+        ),
+    ],
+)
+def test_a_failed_node_reports_why_and_the_model_still_samples(comfy, assets, overrides, match):
+    failed = comfy_env.run_prompt(_prompt(prefix="failed", **overrides))
+    assert not failed.success
+    assert any(re.search(match, message) for message in failed.errors), failed.errors
+    softmax = comfy_env.run_prompt(_prompt(enabled=False, prefix="after_failure"))
+    assert torch.isfinite(_latents(comfy, softmax)).all()
