@@ -1,0 +1,264 @@
+"""ToyEval: a programmatic score of generated toy images, in the spirit of GenEval, plus the
+flow-matching validation loss and the distance to the softmax teacher's samples.
+
+Each image is read off its pixels: the foreground is every pixel brighter than `FOREGROUND`; its
+largest 4-connected component is the object. Colour = nearest palette colour to the object's mean
+RGB; position = nearest anchor to its centroid; size = its bounding-box extent against the midpoint
+of the two sizes; shape = its fill ratio (area / bounding box: square 1, circle pi/4, triangle 1/2).
+An image with no object, or with foreground over `CLUTTER` of its area, is unreadable and matches
+nothing. A sample scores on an attribute when the reading equals its caption; `overall` needs all four.
+Chance is 1/6 (colour), 1/3 (shape), 1/5 (position), 1/2 (size) and 1/180 overall.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from trainer.toy.data import (
+    COLORS,
+    IMAGE_SIZE,
+    LATENT_CHANNELS,
+    POSITIONS,
+    SIZES,
+    Caption,
+    ToyBatch,
+    all_captions,
+    decode_latents,
+    make_batch,
+)
+from trainer.toy.model import ToyCond, sample
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ATTRIBUTES",
+    "Reading",
+    "ToyEvalScore",
+    "batch_loss",
+    "eval_set",
+    "flow_matching_loss",
+    "generate",
+    "logit_normal_sigmas",
+    "read_images",
+    "sample_hits",
+    "score_images",
+    "teacher_distance",
+    "toy_eval",
+    "validation_loss",
+]
+
+ATTRIBUTES: tuple[str, ...] = ("color", "shape", "position", "size")
+FOREGROUND = 0.35
+"""A pixel is foreground when its brightest channel exceeds this (background is black)."""
+CLUTTER = 0.4
+"""Foreground above this fraction of the image means there is no single readable object."""
+MIN_PIXELS = 6
+_FILL_SQUARE = 0.89
+_FILL_TRIANGLE = 0.64
+_SIZE_SPLIT = sum(SIZES.values())
+"""Bounding-box extent / side separating small (2 x 0.125) from large (2 x 0.22)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What ToyEval reads off one image; None fields mean the image has no readable object."""
+
+    color: str | None
+    shape: str | None
+    position: str | None
+    size: str | None
+
+    def matches(self, caption: Caption) -> dict[str, bool]:
+        return {name: getattr(self, name) == getattr(caption, name) for name in ATTRIBUTES}
+
+
+@dataclass(frozen=True, slots=True)
+class ToyEvalScore:
+    """Fractions of samples whose attribute matches the caption; `overall` needs all four."""
+
+    color: float
+    shape: float
+    position: float
+    size: float
+    overall: float
+    readable: float
+    count: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def _largest_component(mask: Tensor) -> Tensor:
+    """Keep the largest 4-connected component of each (B, S, S) boolean mask."""
+    count, rows, cols = mask.shape
+    big = rows * cols + 1
+    labels = torch.where(mask, torch.arange(rows * cols, dtype=torch.float32).view(1, rows, cols), float(big))
+    cross = torch.tensor([[0, 1, 0], [1, 1, 1], [0, 1, 0]], dtype=torch.bool)
+    while True:
+        padded = F.pad(labels, (1, 1, 1, 1), value=float(big)).unsqueeze(1)
+        patches = F.unfold(padded, 3).view(count, 9, rows, cols)[:, cross.flatten()]
+        spread = torch.where(mask, patches.amin(1), float(big))
+        if torch.equal(spread, labels):
+            break
+        labels = spread
+    flat = labels.view(count, -1).long()
+    sizes = torch.zeros(count, big + 1).scatter_add_(1, flat, mask.view(count, -1).float())
+    sizes[:, big] = 0
+    keep = sizes.argmax(1)
+    return (flat == keep.view(count, 1)).view(count, rows, cols) & mask
+
+
+def _nearest(value: Tensor, table: dict[str, tuple[float, ...]]) -> list[str]:
+    names = list(table)
+    centres = torch.tensor([table[n] for n in names], dtype=torch.float32)
+    return [names[i] for i in torch.cdist(value, centres).argmin(1).tolist()]
+
+
+def read_images(images: Tensor) -> list[Reading]:
+    """Read colour, shape, position and size off `(B, 3, S, S')` images in [0, 1]."""
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must be (B, 3, S, S') RGB in [0, 1]; got {tuple(images.shape)}.")
+    images = images.float()
+    count, _, rows, cols = images.shape
+    foreground = images.amax(1) > FOREGROUND
+    obj = _largest_component(foreground)
+    area = obj.flatten(1).sum(1).float()
+    readable = (area >= MIN_PIXELS) & (foreground.flatten(1).float().mean(1) <= CLUTTER)
+    weights = obj.float().unsqueeze(1)
+    mean_rgb = (images * weights).flatten(2).sum(2) / area.clamp_min(1).view(count, 1)
+    row_idx = torch.arange(rows, dtype=torch.float32) + 0.5
+    col_idx = torch.arange(cols, dtype=torch.float32) + 0.5
+    occupied_rows, occupied_cols = obj.any(2), obj.any(1)
+    centroid = torch.stack(
+        [(obj.sum(2) * row_idx).sum(1) / rows, (obj.sum(1) * col_idx).sum(1) / cols], dim=1
+    ) / area.clamp_min(1).view(count, 1)
+    height = occupied_rows.sum(1).float()
+    width = occupied_cols.sum(1).float()
+    fill = area / (height * width).clamp_min(1)
+    extent = torch.maximum(height / rows, width / cols)
+    colors = _nearest(mean_rgb, COLORS)
+    positions = _nearest(centroid, POSITIONS)
+    readings = []
+    for i in range(count):
+        if not readable[i]:
+            readings.append(Reading(None, None, None, None))
+            continue
+        shape = "square" if fill[i] > _FILL_SQUARE else "circle" if fill[i] > _FILL_TRIANGLE else "triangle"
+        size = "large" if extent[i] > _SIZE_SPLIT else "small"
+        readings.append(Reading(color=colors[i], shape=shape, position=positions[i], size=size))
+    return readings
+
+
+def sample_hits(images: Tensor, captions: tuple[Caption, ...] | list[Caption]) -> list[dict[str, bool]]:
+    """Per sample: which attributes match the caption, `overall` (all four) and `readable`."""
+    if len(captions) != images.shape[0]:
+        raise ValueError(f"{images.shape[0]} images but {len(captions)} captions; give one caption per image.")
+    hits = []
+    for reading, caption in zip(read_images(images), captions, strict=True):
+        match = reading.matches(caption)
+        hits.append({**match, "overall": all(match.values()), "readable": reading.color is not None})
+    return hits
+
+
+def score_images(images: Tensor, captions: tuple[Caption, ...] | list[Caption]) -> ToyEvalScore:
+    """ToyEval of images against their captions (per attribute, overall, and readable fraction)."""
+    hits = sample_hits(images, captions)
+    fractions = {name: sum(h[name] for h in hits) / len(hits) for name in (*ATTRIBUTES, "overall", "readable")}
+    return ToyEvalScore(**fractions, count=len(hits))
+
+
+def eval_set(count: int, *, seed: int = 0, size: int = IMAGE_SIZE) -> tuple[tuple[Caption, ...], Tensor]:
+    """The fixed evaluation prompts and noise: `count` captions cycling through a seeded permutation
+    of all 180, and `(count, 16, size/2, size/2)` Gaussian noise, one seeded draw per sample, so the
+    first k samples of a larger set are exactly the set of size k."""
+    table = all_captions()
+    order = torch.randperm(len(table), generator=torch.Generator().manual_seed(seed)).tolist()
+    captions = tuple(table[order[i % len(table)]] for i in range(count))
+    shape = (LATENT_CHANNELS, size // 2, size // 2)
+    noise = torch.stack(
+        [torch.randn(shape, generator=torch.Generator().manual_seed(seed * 1_000_003 + i)) for i in range(count)]
+    )
+    return captions, noise
+
+
+def generate(
+    model, captions: tuple[Caption, ...], noise: Tensor, *, steps: int = 20, cfg: float = 3.0, batch_size: int = 64
+) -> Tensor:
+    """Sample images `(B, 3, S, S)` in [0, 1] for captions from the given noise, in chunks."""
+    chunks = []
+    for start in range(0, len(captions), batch_size):
+        part = captions[start : start + batch_size]
+        cond = ToyCond.from_captions([str(c) for c in part])
+        latents = sample(model, cond, noise[start : start + len(part)], steps=steps, cfg=cfg)
+        chunks.append(decode_latents(latents))
+    return torch.cat(chunks)
+
+
+def toy_eval(
+    model, *, count: int = 180, steps: int = 20, cfg: float = 3.0, seed: int = 0
+) -> tuple[ToyEvalScore, Tensor]:
+    """Generate the fixed evaluation set with `model` and score it.
+
+    Returns:
+        The `ToyEvalScore` and the images `(count, 3, 32, 32)`, for grids and teacher distances.
+    """
+    captions, noise = eval_set(count, seed=seed)
+    images = generate(model, captions, noise, steps=steps, cfg=cfg)
+    return score_images(images, captions), images
+
+
+def teacher_distance(images: Tensor, teacher_images: Tensor) -> float:
+    """Root-mean-square pixel difference (in [0, 1] units) between samples made from the same noise."""
+    if images.shape != teacher_images.shape:
+        raise ValueError(f"image sets differ in shape: {tuple(images.shape)} vs {tuple(teacher_images.shape)}.")
+    return (images.float() - teacher_images.float()).square().mean().sqrt().item()
+
+
+def flow_matching_loss(model, latents: Tensor, context: Tensor, pooled: Tensor, noise: Tensor, sigma: Tensor) -> Tensor:
+    """SD3's rectified-flow loss: x_t = (1 - sigma) x0 + sigma eps, MSE of the velocity to eps - x0.
+
+    Args:
+        latents (`Tensor`): x0 `(B, 16, h, w)`. noise: eps, same shape. sigma: `(B,)` in (0, 1).
+        context (`Tensor`): `(B, T, J)`. pooled: `(B, P)`.
+
+    Returns:
+        The scalar mean squared error (float32).
+    """
+    dtype = next(model.parameters()).dtype
+    s = sigma.view(-1, 1, 1, 1)
+    noisy = (1 - s) * latents + s * noise
+    pred = model(
+        hidden_states=noisy.to(dtype),
+        encoder_hidden_states=context.to(dtype),
+        pooled_projections=pooled.to(dtype),
+        timestep=(sigma * 1000).to(dtype),
+        return_dict=False,
+    )[0]
+    return F.mse_loss(pred.float(), (noise - latents).float())
+
+
+def logit_normal_sigmas(count: int, *, generator: torch.Generator) -> Tensor:
+    """SD3's training sigmas: sigmoid of a standard normal (logit-normal(0, 1))."""
+    return torch.sigmoid(torch.randn(count, generator=generator))
+
+
+def batch_loss(model, batch: ToyBatch, *, generator: torch.Generator) -> Tensor:
+    """Flow-matching loss of a toy batch, with noise and logit-normal sigmas drawn from `generator`."""
+    noise = torch.randn(batch.latents.shape, generator=generator)
+    sigma = logit_normal_sigmas(batch.latents.shape[0], generator=generator)
+    return flow_matching_loss(model, batch.latents, batch.encoder_hidden_states, batch.pooled_projections, noise, sigma)
+
+
+@torch.no_grad()
+def validation_loss(model, *, batches: int = 4, batch_size: int = 32, seed: int = 10_000) -> float:
+    """Mean flow-matching loss on fixed held-out batches, fixed noise and fixed sigmas."""
+    total = 0.0
+    for index in range(batches):
+        batch = make_batch(batch_size, seed=seed + index)
+        total += batch_loss(model, batch, generator=torch.Generator().manual_seed(seed + index)).item()
+    return total / batches

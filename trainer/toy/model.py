@@ -1,0 +1,196 @@
+"""The toy base model: a miniature SD3.5-Medium MMDiT, its shipped weights, and a flow-matching sampler.
+
+The architecture keeps everything that makes SD3.5 Medium what it is (q/k RMSNorm, image-only
+`attn2` in the first half of the blocks, patch 2, 16 latent channels, a `context_pre_only` last
+block) and keeps ComfyUI's constraint head_dim = 64, heads = depth: 3 blocks of 3 heads x 64
+(hidden 192). The shipped file uses the original SD3 checkpoint naming (`joint_blocks.*`,
+`x_embedder`, `context_embedder`, ...), so ComfyUI detects it as an SD3 diffusion model; diffusers
+loads it with `from_single_file` and the local `weights/config.json`, or through
+`t5core.sd3_keys`, which `load_toy_base` uses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from trainer.toy.data import JOINT_ATTENTION_DIM, LATENT_CHANNELS, POOLED_DIM, embed_captions
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TOY_CONFIG",
+    "TOY_SHIFT",
+    "WEIGHTS_DIR",
+    "WEIGHTS_FILE",
+    "ToyCond",
+    "build_toy_model",
+    "load_toy_base",
+    "load_toy_record",
+    "sample",
+    "sigma_schedule",
+    "toy_arch",
+]
+
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+WEIGHTS_FILE = WEIGHTS_DIR / "toy_sd35.safetensors"
+"""The shipped softmax teacher, SD3 checkpoint naming, written by `trainer/toy/pretrain.py`."""
+RECORD_FILE = WEIGHTS_DIR / "toy_sd35.json"
+"""How the shipped teacher was made and its measured ToyEval."""
+
+TOY_DEPTH = 3
+TOY_CONFIG: dict[str, object] = {
+    "sample_size": 16,
+    "patch_size": 2,
+    "in_channels": LATENT_CHANNELS,
+    "out_channels": LATENT_CHANNELS,
+    "num_layers": TOY_DEPTH,
+    "attention_head_dim": 64,
+    "num_attention_heads": TOY_DEPTH,
+    "joint_attention_dim": JOINT_ATTENTION_DIM,
+    "caption_projection_dim": 64 * TOY_DEPTH,
+    "pooled_projection_dim": POOLED_DIM,
+    "pos_embed_max_size": 32,
+    "dual_attention_layers": tuple(range((TOY_DEPTH + 1) // 2)),
+    "qk_norm": "rms_norm",
+}
+"""diffusers `SD3Transformer2DModel` config of the toy (written as `weights/config.json`)."""
+
+TOY_SHIFT = 1.0
+"""Sampling shift of the toy (SD3 uses 3.0 at 1024 px; a 32 px toy needs none). In ComfyUI put
+ModelSamplingSD3(shift=1.0) after the loader."""
+
+
+def toy_arch():
+    """The toy's `t5core.config.BaseArch` (3 blocks, 3 heads x 64, attn2 on 0-1, qk norm)."""
+    from t5core.config import BaseArch
+
+    return BaseArch(
+        depth=TOY_DEPTH,
+        heads=TOY_DEPTH,
+        head_dim=64,
+        dual_attention_layers=TOY_CONFIG["dual_attention_layers"],
+        qk_norm=True,
+    )
+
+
+def build_toy_model(*, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A freshly initialised toy `SD3Transformer2DModel` (what pretraining starts from)."""
+    from diffusers import SD3Transformer2DModel
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = SD3Transformer2DModel(**TOY_CONFIG)
+    return model if dtype == torch.float32 else model.to(dtype)
+
+
+def load_toy_base(*, dtype: torch.dtype = torch.float32, path: Path | str = WEIGHTS_FILE):
+    """Load the shipped softmax teacher into a diffusers `SD3Transformer2DModel` (eval mode).
+
+    Args:
+        dtype (`torch.dtype`, *optional*, defaults to float32): parameter dtype.
+        path (`Path | str`, *optional*): an SD3-named toy checkpoint; defaults to the shipped one.
+
+    Raises:
+        FileNotFoundError: the weights file is missing (run `python -m trainer.toy.pretrain`).
+    """
+    from safetensors.torch import load_file
+
+    from t5core.sd3_keys import sd3_to_diffusers
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"toy weights {path} not found; make them with `python -m trainer.toy.pretrain`.")
+    state = sd3_to_diffusers(load_file(str(path)), toy_arch())
+    model = build_toy_model()
+    model.load_state_dict(state, strict=True)
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    return model.eval().requires_grad_(False)
+
+
+def load_toy_record(path: Path | str = RECORD_FILE) -> dict:
+    """The JSON record written beside the shipped weights: recipe, timings and the teacher's ToyEval."""
+    return json.loads(Path(path).read_text())
+
+
+@dataclass(frozen=True, slots=True)
+class ToyCond:
+    """Conditional and unconditional text conditioning for a batch of captions.
+
+    Shapes: `context`, `context_uncond` (B, T, JOINT_ATTENTION_DIM); `pooled`, `pooled_uncond`
+    (B, POOLED_DIM).
+    """
+
+    context: Tensor
+    pooled: Tensor
+    context_uncond: Tensor
+    pooled_uncond: Tensor
+
+    @classmethod
+    def from_captions(cls, texts: list[str] | tuple[str, ...]) -> ToyCond:
+        context, pooled = embed_captions([str(t) for t in texts])
+        context_uncond, pooled_uncond = embed_captions([""] * len(texts))
+        return cls(context, pooled, context_uncond, pooled_uncond)
+
+
+def sigma_schedule(steps: int, *, shift: float = TOY_SHIFT) -> Tensor:
+    """Flow-matching sigmas from 1 to 0 (`steps + 1` values), shifted as SD3's scheduler does."""
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1; got {steps}.")
+    s = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+    return (shift * s / (1 + (shift - 1) * s)).float()
+
+
+def _velocity(model, x: Tensor, sigma: Tensor, context: Tensor, pooled: Tensor) -> Tensor:
+    timestep = sigma.expand(x.shape[0]).to(x.dtype) * 1000
+    out = model(
+        hidden_states=x, encoder_hidden_states=context, pooled_projections=pooled, timestep=timestep, return_dict=False
+    )
+    return out[0]
+
+
+@torch.no_grad()
+def sample(
+    model, cond: ToyCond, noise: Tensor, steps: int = 20, cfg: float = 3.0, *, shift: float = TOY_SHIFT
+) -> Tensor:
+    """Euler sampling of the flow-matching ODE from `noise` (sigma = 1) to latents (sigma = 0).
+
+    Works for the softmax model and for any linearized one (the T5 host hook supplies the grid).
+    Cond and uncond run as one batch, as in ComfyUI and diffusers.
+
+    Args:
+        model: an `SD3Transformer2DModel` (possibly linearized).
+        cond (`ToyCond`): text conditioning for B samples.
+        noise (`Tensor`): `(B, 16, h, w)` starting latents.
+        steps (`int`, *optional*, defaults to 20): Euler steps.
+        cfg (`float`, *optional*, defaults to 3.0): classifier-free guidance scale; 1 disables it.
+        shift (`float`, *optional*, defaults to `TOY_SHIFT`): sigma shift.
+
+    Returns:
+        `(B, 16, h, w)` latents in the dtype of `noise`.
+    """
+    if noise.shape[0] != cond.context.shape[0]:
+        raise ValueError(
+            f"noise has batch {noise.shape[0]} but cond has {cond.context.shape[0]}; give one caption per sample."
+        )
+    dtype = next(model.parameters()).dtype
+    x = noise.to(dtype)
+    guided = cfg != 1.0
+    context = torch.cat([cond.context, cond.context_uncond]) if guided else cond.context
+    pooled = torch.cat([cond.pooled, cond.pooled_uncond]) if guided else cond.pooled
+    context, pooled = context.to(dtype), pooled.to(dtype)
+    sigmas = sigma_schedule(steps, shift=shift)
+    for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:], strict=True):
+        if guided:
+            v_cond, v_uncond = _velocity(model, torch.cat([x, x]), sigma, context, pooled).chunk(2)
+            velocity = v_uncond + cfg * (v_cond - v_uncond)
+        else:
+            velocity = _velocity(model, x, sigma, context, pooled)
+        x = x + (sigma_next - sigma).to(dtype) * velocity
+    return x.to(noise.dtype)
