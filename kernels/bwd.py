@@ -290,6 +290,7 @@ def inner_apply_bwd(
         HAS_CONV=conv is not None,
         TEXT_FIRST=plan.text_first,
         DT=plan.dot_dtype,
+        num_warps=plan.reduce_warps,
     )
     return dq2, combine(partials)
 
@@ -347,6 +348,7 @@ def inner_step_bwd(
         HAS_CONV=conv is not None,
         TEXT_FIRST=plan.text_first,
         DT=plan.dot_dtype,
+        num_warps=plan.reduce_warps,
     )
     per_head = (plan.batch, plan.heads, *grad_fast.shape[1:])
     grad_weights = combine(grad_fast.view(per_head))

@@ -70,16 +70,16 @@ def inner_step_fwd_kernel(
     taps = taps_ptr + h * 9 * D
     bias = bias_ptr + h * D
     w_head = w_ptr + h * NW * D * D
-    w1 = tl.load(w_head + offs_dd)  # [D, D]
+    w1 = tl.load(w_head + offs_dd).to(DT)  # [D, D], kept in registers as MMA operands
     g1 = tl.zeros([D, D], dtype=tl.float32)
     g2 = tl.zeros([D, D], dtype=tl.float32)
     if SWIGLU:
-        w2 = tl.load(w_head + D * D + offs_dd)
-        w3_t = tl.load(w_head + 2 * D * D + offs_dd_t)
+        w2 = tl.load(w_head + D * D + offs_dd).to(DT)
+        w3_t = tl.load(w_head + 2 * D * D + offs_dd_t).to(DT)
         g3 = tl.zeros([D, D], dtype=tl.float32)
     else:
-        w2_t = tl.load(w_head + D * D + offs_dd_t)
-        w2 = tl.load(w_head + D * D + offs_dd)
+        w2_t = tl.load(w_head + D * D + offs_dd_t).to(DT)
+        w2 = tl.load(w_head + D * D + offs_dd).to(DT)
     for i in range(tiles_per_split):
         tok = (split * tiles_per_split + i).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = tok < n_tokens
@@ -235,6 +235,7 @@ def inner_step_fwd(
         HAS_CONV=conv is not None,
         TEXT_FIRST=plan.text_first,
         DT=plan.dot_dtype,
+        num_warps=plan.reduce_warps,
     )
     coef = -error_sign(variant) * plan.head_dim**-0.5 / plan.tokens
     return combine(partials, coef, base=weights)

@@ -22,6 +22,9 @@ _BLOCK_N_CUDA = {"fwd": 64, "bwd": 32}
 _BLOCK_N_INTERPRETER = 16
 # Programs per SM the token split aims for on CUDA.
 _PROGRAMS_PER_SM = 2
+# Warps of the reduction kernels on CUDA: 8 spreads their fp32 D x D accumulators over more
+# registers once D reaches 64.
+_REDUCE_WARPS_WIDE, _WIDE_HEAD_DIM = 8, 64
 _SPLITS_INTERPRETER = 2
 
 
@@ -46,6 +49,7 @@ class Plan:
     block_n: int
     splits: int
     tiles_per_split: int
+    reduce_warps: int
 
     @property
     def programs(self) -> int:
@@ -87,4 +91,5 @@ def make_plan(q: torch.Tensor, *, grid: tuple[int, int] | None, text_tokens: int
         block_n=block_n,
         splits=triton.cdiv(tiles, tiles_per_split),
         tiles_per_split=tiles_per_split,
+        reduce_warps=_REDUCE_WARPS_WIDE if q.is_cuda and head_dim >= _WIDE_HEAD_DIM else 4,
     )

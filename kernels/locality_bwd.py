@@ -180,6 +180,7 @@ def locality_bwd(
         HAS_NORM=stats is not None,
         HAS_CONV=taps is not None,
         TEXT_FIRST=plan.text_first,
+        num_warps=plan.reduce_warps,
     )
     return dx, partials
 
