@@ -28,7 +28,7 @@ from trainer.loop import TrainParts, train_loop
 from trainer.losses import AttentionCapture
 from trainer.memory import MemoryPlan, ParamCounts, RunShape, plan_memory, suggest
 from trainer.metrics import MetricsWriter
-from trainer.model import ParamSplit, build_student, load_base, make_teacher, split_parameters
+from trainer.model import ParamSplit, build_student, find_pipeline_folder, load_base, make_teacher, split_parameters
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import apply_activation_checkpointing, apply_ddp, apply_fsdp, store_frozen_in
 
@@ -125,8 +125,6 @@ def _build_source(config: TrainConfig, base: nn.Module, world: World, output: Pa
         return CacheSource(data.path)
     from trainer.prepare import prepare_images, prepare_prompts
 
-    from trainer.model import find_pipeline_folder
-
     cache_dir = Path(data.cache_dir or output / "data-cache")
     pipeline = find_pipeline_folder(config.model, data.pipeline)
     resolution = data.resolution or REAL_RESOLUTION
@@ -210,7 +208,9 @@ def run(config: TrainConfig) -> RunResult:
 def _run(config: TrainConfig, world: World) -> RunResult:
     output = Path(config.output.dir).expanduser()
     _prepare_output(output, world)
-    seed_everything(rank_seed(config.training.seed, world.rank))
+    # The same seed on every rank while building: new T5 parameters start identical everywhere
+    # (FSDP2, unlike DDP, does not broadcast rank 0's initial values).
+    seed_everything(config.training.seed)
     checkpoints = CheckpointManager(output / "checkpoints", world, keep=config.checkpoint.keep)
     resume = _resume_path(config, checkpoints)
     if config.training.batch_size % world.world_size:
@@ -248,6 +248,7 @@ def _run(config: TrainConfig, world: World) -> RunResult:
         model = apply_fsdp(student, param_dtype=param_dtype)
         if teacher is not None:
             apply_fsdp(teacher, param_dtype=param_dtype, name="teacher")
+    seed_everything(rank_seed(config.training.seed, world.rank))
     optimizer = build_optimizer(model, split, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, steps=config.training.steps)
 
