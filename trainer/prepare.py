@@ -172,9 +172,12 @@ def _read_image(path: Path, size: tuple[int, int]) -> Tensor:
     return pixels.view(height, width, 3).permute(2, 0, 1).float() / 127.5 - 1
 
 
-def _scan_images(folder: Path, sizes: list[tuple[int, int]]) -> tuple[list[_Item], dict[str, str]]:
-    from PIL import Image, UnidentifiedImageError
+def _list_images(folder: Path) -> list[Path]:
+    """The image files under `folder`, sorted.
 
+    Raises:
+        FileNotFoundError: no such folder. ValueError: no image files in it.
+    """
     if not folder.is_dir():
         raise FileNotFoundError(f"image folder {folder} does not exist; check --data.path.")
     files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
@@ -183,6 +186,13 @@ def _scan_images(folder: Path, sizes: list[tuple[int, int]]) -> tuple[list[_Item
             f"image folder {folder} holds no images ({', '.join(IMAGE_SUFFIXES)}); add images with .txt captions "
             "beside them, or use --data.source prompts."
         )
+    return files
+
+
+def _scan_images(folder: Path, files: list[Path], sizes: list[tuple[int, int]]) -> tuple[list[_Item], dict[str, str]]:
+    """Caption and bucket of each image; images without a caption or a readable header are skipped."""
+    from PIL import Image, UnidentifiedImageError
+
     items, skipped = [], {}
     for path in files:
         key = str(path.relative_to(folder))
@@ -220,9 +230,10 @@ def prepare_images(
     if (cache_dir / MANIFEST).is_file():
         logger.info("Data: using the finished cache %s", cache_dir)
         return cache_dir
+    files = _list_images(folder)
     pipe = _load_pipeline(pipeline, transformer, world)
     sizes = bucket_sizes(data.buckets, resolution, _pixel_multiple(pipe))
-    items, skipped = _scan_images(folder, sizes)
+    items, skipped = _scan_images(folder, files, sizes)
     cache_dir.mkdir(parents=True, exist_ok=True)
     vae = pipe.vae
     shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor

@@ -1,0 +1,93 @@
+"""The trainer's config: flags and TOML generated from the sections, precedence, clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from trainer.cli import build_parser, config_from_toml_text, config_to_toml, parse_args, save_config
+from trainer.config import TrainConfig
+
+
+def test_defaults_are_the_toy_preset():
+    config = parse_args([])
+    assert config == TrainConfig()
+    assert (config.model.base, config.data.source) == ("toy", "toy")
+
+
+def test_flags_override_toml_which_overrides_defaults(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[training]\nsteps = 7\nbatch_size = 4\n[optim]\nlr = 3e-4\n[model]\nkey_norm_eps = "none"\n')
+    config = parse_args(["--config", str(path), "--training.steps", "9", "--model.locality", "false"])
+    assert config.training.steps == 9  # flag beats TOML
+    assert config.training.batch_size == 4  # TOML beats default
+    assert config.optim.lr == 3e-4
+    assert config.model.key_norm_eps is None
+    assert config.model.locality is False
+    assert config.optim.new_lr_mult == TrainConfig().optim.new_lr_mult  # default kept
+
+
+def test_help_lists_every_field_with_its_docstring(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for section in TrainConfig.sections():
+        for item in dataclasses.fields(getattr(TrainConfig(), section)):
+            assert f"--{section}.{item.name}" in text
+    assert "Multiplier of `lr` for the new T5 parameters" in text
+    assert "{swiglu,mlp}" in text
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = parse_args(["--training.steps", "3", "--model.key_norm_eps", "none", "--output.dir", str(tmp_path / "o")])
+    path = save_config(config, tmp_path / "config.toml")
+    assert config_from_toml_text(path.read_text()) == config
+    assert parse_args(["--config", str(path)]) == config
+    assert "steps = 3" in config_to_toml(config)
+
+
+@pytest.mark.parametrize(
+    ("toml", "error", "match"),
+    [
+        pytest.param(
+            "[training]\nstep = 3\n", ValueError, r"\[training\] has unknown key\(s\) \['step'\]", id="unknown-key"
+        ),
+        pytest.param("[trainer]\nsteps = 3\n", ValueError, r"\[trainer\] is not a section", id="unknown-section"),
+        pytest.param(
+            '[model]\nvariant = "gelu"\n', ValueError, r"--model.variant: 'gelu' is not one of", id="bad-choice"
+        ),
+        pytest.param('[training]\nsteps = "many"\n', TypeError, r"--training.steps: expected int", id="bad-type"),
+        pytest.param("[training\n", ValueError, r"is not valid TOML", id="not-toml"),
+    ],
+)
+def test_bad_config_file_names_the_problem(tmp_path, toml, error, match):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(error, match=match):
+        parse_args(["--config", str(path)])
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        pytest.param(["--training.batch_size", "0"], r"--training.batch_size: must be at least 1", id="batch-0"),
+        pytest.param(["--optim.lr", "-1"], r"--optim.lr: must be positive", id="negative-lr"),
+        pytest.param(["--loss.flow_weight", "0"], r"--loss.flow_weight: all loss weights are 0", id="no-loss"),
+        pytest.param(["--data.resolution", "100"], r"--data.resolution: must be a multiple of 16", id="resolution"),
+        pytest.param(["--data.source", "images"], r"--data.path: source 'images' needs a path", id="no-path"),
+        pytest.param(
+            ["--data.source", "cache", "--data.path", "x"], r"--data.source: the toy base trains", id="toy-mix"
+        ),
+        pytest.param(["--output.name", "t5.pt"], r"--output.name: must end in .safetensors", id="name"),
+    ],
+)
+def test_bad_values_name_the_flag(flags, match):
+    with pytest.raises(ValueError, match=match):
+        parse_args(flags)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist; check the --config path"):
+        parse_args(["--config", str(tmp_path / "nope.toml")])

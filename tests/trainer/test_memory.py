@@ -1,0 +1,38 @@
+"""The memory plan: how each setting moves the estimate, and refusing a run that cannot fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.memory import GIB, TRAINED_BYTES, ParamCounts, RunShape, plan_memory, suggest
+
+COUNTS = ParamCounts(trained=600_000_000, frozen=1_700_000_000, buffers=200_000_000, largest_block=90_000_000)
+SHAPE = RunShape(batch_per_rank=4, image_tokens=4096, text_tokens=333, hidden=1536, depth=24)
+BASE = dict(mode="ddp", world_size=4, precision="bf16", gradient_checkpointing=True)
+
+
+def test_components_follow_the_settings():
+    ddp = plan_memory(COUNTS, SHAPE, **BASE)
+    assert ddp.components["trained weights+grads+AdamW"] == pytest.approx(COUNTS.trained * TRAINED_BYTES / GIB)
+    assert ddp.components["frozen weights"] == pytest.approx(COUNTS.frozen * 2 / GIB)
+    fsdp = plan_memory(COUNTS, SHAPE, **{**BASE, "mode": "fsdp2"})
+    assert fsdp.components["trained weights+grads+AdamW"] == pytest.approx(
+        ddp.components["trained weights+grads+AdamW"] / 4
+    )
+    assert fsdp.components["FSDP2 gathered blocks"] > 0 == ddp.components["FSDP2 gathered blocks"]
+    fp32 = plan_memory(COUNTS, SHAPE, **{**BASE, "precision": "fp32"})
+    assert fp32.components["activations"] == pytest.approx(2 * ddp.components["activations"])
+    no_ckpt = plan_memory(COUNTS, SHAPE, **{**BASE, "gradient_checkpointing": False})
+    assert no_ckpt.components["activations"] > 5 * ddp.components["activations"]
+    teacher = plan_memory(COUNTS, SHAPE, **BASE, teacher_params=2_000_000_000)
+    assert teacher.total_gib - ddp.total_gib == pytest.approx(2_000_000_000 * 2 / GIB)
+
+
+def test_fits_and_suggestions():
+    tight = plan_memory(COUNTS, SHAPE, **{**BASE, "gradient_checkpointing": False}, budget_gib=20.0)
+    assert not tight.fits
+    fixes = suggest(COUNTS, SHAPE, **{**BASE, "gradient_checkpointing": False}, teacher_params=0, budget_gib=20.0)
+    assert fixes and all("GiB" in fix for fix in fixes)
+    for fix in fixes:
+        assert "--training.gradient_checkpointing true" in fix or "--parallel.mode fsdp2" in fix
+    assert plan_memory(COUNTS, SHAPE, **BASE, budget_gib=200.0).fits

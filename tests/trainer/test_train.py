@@ -1,0 +1,159 @@
+"""End-to-end runs of `trainer.run` in one process on the tiny SD3.5-Medium-like model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from t5core.hosts.diffusers import linearize
+from trainer import run
+from trainer.cli import parse_args
+from trainer.distributed import seed_everything
+from trainer.losses import add_noise
+from trainer.metrics import read_metrics
+from trainer.model import build_student, load_base
+
+from tests.trainer.helpers import write_base, write_cache
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    return dict(
+        base=write_base(root / "base"),
+        cache=write_cache(root / "cache", buckets=((8, 12), (12, 8)), per_bucket=4),
+        fixed=write_cache(root / "fixed", buckets=((8, 12),), per_bucket=4),
+    )
+
+
+def config_for(inputs, out, *flags, data="cache"):
+    return parse_args(
+        [
+            "--model.base", str(inputs["base"]),
+            "--data.source", "cache",
+            "--data.path", str(inputs[data]),
+            "--model.layers", "all",
+            "--training.batch_size", "4",
+            "--output.dir", str(out),
+            "--output.progress", "false",
+            *flags,
+        ]
+    )  # fmt: skip
+
+
+def initial_student(config):
+    """The converted model as the trainer builds it before the first step (same seed, same recipe)."""
+    seed_everything(config.training.seed)
+    return build_student(load_base(config.model), config.model).model
+
+
+def flow_loss(model, batch_latents, context, pooled, noise, sigmas):
+    with torch.no_grad():
+        x_t = add_noise(batch_latents, noise, sigmas)
+        out = model(
+            hidden_states=x_t,
+            encoder_hidden_states=context,
+            pooled_projections=pooled,
+            timestep=sigmas * 1000,
+            return_dict=False,
+        )[0]
+    return (out - (noise - batch_latents)).square().mean().item()
+
+
+def test_steps_on_a_fixed_batch_lower_the_loss(inputs, tmp_path):
+    config = config_for(
+        inputs, tmp_path, "--training.steps", "8", "--optim.lr", "3e-3", "--optim.inherited_lr_mult", "1",
+        "--model.trainable", "all", "--checkpoint.every", "0", data="fixed",
+    )  # fmt: skip
+    before = initial_student(config)
+    result = run(config)
+    from trainer.cache import CacheSource
+
+    batch = CacheSource(inputs["fixed"]).load([0, 1, 2, 3])
+    generator = torch.Generator().manual_seed(5)
+    noise, sigmas = torch.randn(batch.latents.shape, generator=generator), torch.tensor([0.3, 0.5, 0.7, 0.9])
+    args = (batch.latents, batch.context, batch.pooled, noise, sigmas)
+    start, end = flow_loss(before.eval(), *args), flow_loss(result.handle.model.eval(), *args)
+    # Eight steps on random latents: a clear drop, not convergence.
+    assert end < 0.9 * start, (start, end)
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert {"loss/total", "loss/flow", "lr/new", "lr/inherited", "grad_norm", "throughput(img/s)"} <= metrics[0].keys()
+    assert (tmp_path / "config.toml").is_file() and (tmp_path / "report.md").is_file()
+    assert json.loads((tmp_path / "report.json").read_text())["step"] == 8
+
+
+@pytest.mark.parametrize(
+    ("trainable", "inherited_mult"),
+    [pytest.param("attention", 0.1, id="attention-x0.1"), pytest.param("attention", 0.0, id="inherited-frozen-by-lr0")],
+)
+def test_each_group_moves_with_its_own_learning_rate(inputs, tmp_path, trainable, inherited_mult):
+    lr = 1e-3
+    config = config_for(
+        inputs, tmp_path, "--training.steps", "1", "--optim.lr", str(lr), "--optim.grad_clip", "0",
+        "--optim.inherited_lr_mult", str(inherited_mult), "--model.trainable", trainable, "--model.layers", "blocks.0.attn2",
+    )  # fmt: skip
+    before = {name: p.detach().clone() for name, p in initial_student(config).named_parameters()}
+    result = run(config)
+    after = dict(result.handle.model.named_parameters())
+    moved = {name: (after[name].detach() - before[name]).abs().max().item() for name in before}
+    new = [n for n in moved if ".processor." in n]
+    inherited = [n for n in moved if n.startswith("transformer_blocks.0.attn2.") and ".processor." not in n]
+    frozen = [n for n in moved if n not in new and n not in inherited]
+    assert new and inherited and frozen
+    # The first AdamW step moves each weight by lr * g / (|g| + eps): lr wherever the gradient is not tiny.
+    assert max(moved[n] for n in new) == pytest.approx(lr * 10, rel=1e-3)
+    if inherited_mult:
+        assert max(moved[n] for n in inherited) == pytest.approx(lr * inherited_mult, rel=1e-3)
+    else:
+        assert max(moved[n] for n in inherited) == 0.0
+    assert max(moved[n] for n in frozen) == 0.0
+
+
+def test_exported_file_reproduces_the_trained_model(inputs, tmp_path):
+    config = config_for(inputs, tmp_path, "--training.steps", "2", "--model.layers", "paper", "--optim.lr", "1e-2")
+    result = run(config)
+    fresh = linearize(load_base(config.model), weights=result.weights)
+    assert set(fresh.modules) == set(result.handle.modules)
+    generator = torch.Generator().manual_seed(0)
+    kwargs = dict(
+        hidden_states=torch.randn(2, 16, 12, 8, generator=generator),
+        encoder_hidden_states=torch.randn(2, 7, 32, generator=generator),
+        pooled_projections=torch.randn(2, 64, generator=generator),
+        timestep=torch.tensor([100.0, 800.0]),
+        return_dict=False,
+    )
+    with torch.no_grad():
+        trained = result.handle.model.eval()(**kwargs)[0]
+        loaded = fresh.model.eval()(**kwargs)[0]
+        untouched = load_base(config.model)(**kwargs)[0]
+    torch.testing.assert_close(loaded, trained, rtol=0, atol=1e-6)
+    assert (loaded - untouched).abs().max() > 1e-3  # the file changes the model
+
+
+def test_time_budget_stops_checkpoints_and_exports(inputs, tmp_path):
+    config = config_for(inputs, tmp_path, "--training.steps", "50", "--training.max_minutes", "1e-6")
+    result = run(config)
+    assert (result.step, result.stop_reason) == (1, "time")
+    assert (tmp_path / "checkpoints" / "step-1" / "state.json").is_file()
+    assert result.weights.is_file()
+
+
+def test_toy_source_trains_the_toy_base(tmp_path):
+    config = parse_args(
+        [
+            "--training.steps",
+            "1",
+            "--training.batch_size",
+            "2",
+            "--output.dir",
+            str(tmp_path),
+            "--output.progress",
+            "false",
+        ]
+    )
+    result = run(config)
+    assert result.step == 1 and result.weights.is_file()
+    assert len(result.handle.modules) == 5  # toy: attn2 on blocks 0-1, joint attention of all 3 blocks
