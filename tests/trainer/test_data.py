@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.trainer.helpers import write_cache
 from trainer.cache import CacheSource
 from trainer.data import BatchPlan
 from trainer.prepare import bucket_sizes, nearest_bucket
-
-from tests.trainer.helpers import write_cache
 
 BUCKETS = {(8, 12): list(range(0, 10)), (12, 8): list(range(10, 17)), (16, 16): [17]}
 

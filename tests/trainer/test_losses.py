@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.trainer.helpers import tiny_transformer
 from trainer.config import LossConfig
 from trainer.losses import AttentionCapture, add_noise, combine, flow_weights, sample_sigmas
-
-from tests.trainer.helpers import tiny_transformer
 
 
 @pytest.mark.parametrize("shift", [pytest.param(1.0, id="shift1"), pytest.param(3.0, id="shift3")])

@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from t5core.hosts.diffusers import linearize
+from tests.trainer.helpers import write_base, write_cache
 from trainer import run
 from trainer.cli import parse_args
 from trainer.distributed import seed_everything
 from trainer.losses import add_noise
 from trainer.metrics import read_metrics
 from trainer.model import build_student, load_base
-
-from tests.trainer.helpers import write_base, write_cache
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +92,8 @@ def test_each_group_moves_with_its_own_learning_rate(inputs, tmp_path, trainable
     lr = 1e-3
     config = config_for(
         inputs, tmp_path, "--training.steps", "1", "--optim.lr", str(lr), "--optim.grad_clip", "0",
-        "--optim.inherited_lr_mult", str(inherited_mult), "--model.trainable", trainable, "--model.layers", "blocks.0.attn2",
+        "--optim.inherited_lr_mult", str(inherited_mult), "--model.trainable", trainable,
+        "--model.layers", "blocks.0.attn2",
     )  # fmt: skip
     before = {name: p.detach().clone() for name, p in initial_student(config).named_parameters()}
     result = run(config)
