@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fwd import _LAYOUT_ARGS, error_sign
-from kernels.launch import Plan
+from kernels.fwd import error_sign
+from kernels.launch import LAYOUT_ARGS, Plan
 from kernels.reduce import combine
 from kernels.tiles import conv_tile, image_position, load_rows, mm, norm_stats
 
@@ -24,15 +24,15 @@ __all__ = ["inner_apply_bwd", "inner_step_bwd"]
 
 
 @triton.jit
-def _load_dd(ptr, offs_d, D: tl.constexpr, TRANSPOSE: tl.constexpr):
-    # [D, D] fp32 matrix at ptr, or its transpose
+def _load_dd(ptr, offs_d, D: tl.constexpr, TRANSPOSE: tl.constexpr, DT: tl.constexpr):
+    # [D, D] matrix at ptr (or its transpose, a view of the same tile) as an MMA operand
+    w = tl.load(ptr + offs_d[:, None] * D + offs_d[None, :]).to(DT)
     if TRANSPOSE:
-        return tl.load(ptr + offs_d[None, :] * D + offs_d[:, None])
-    else:
-        return tl.load(ptr + offs_d[:, None] * D + offs_d[None, :])
+        w = tl.trans(w)
+    return w
 
 
-@triton.jit(do_not_specialize=_LAYOUT_ARGS)
+@triton.jit(do_not_specialize=LAYOUT_ARGS)
 def inner_apply_bwd_kernel(
     q_ptr,
     w_ptr,
@@ -94,25 +94,25 @@ def inner_apply_bwd_kernel(
         )  # [BLOCK_N, D]
         do = load_rows(do_ptr + row_offset, H * D, tok, offs_d, valid, no_norm, no_norm, False)
         q2_t = tl.trans(q2)
-        z1 = mm(q2, _load_dd(w_pair, offs_d, D, False), DT)
+        z1 = mm(q2, _load_dd(w_pair, offs_d, D, False, DT), DT)
         sig = tl.sigmoid(z1)
         a1 = z1 * sig
         silu_grad = sig * (1.0 + z1 * (1.0 - sig))
         if SWIGLU:
-            z2 = mm(q2, _load_dd(w_pair + D * D, offs_d, D, False), DT)
-            da2 = mm(do, _load_dd(w_pair + 2 * D * D, offs_d, D, True), DT)
+            z2 = mm(q2, _load_dd(w_pair + D * D, offs_d, D, False, DT), DT)
+            da2 = mm(do, _load_dd(w_pair + 2 * D * D, offs_d, D, True, DT), DT)
             g3 += mm(tl.trans(a1 * z2), do, DT)
             dz1 = da2 * z2 * silu_grad
             dz2 = da2 * a1
             g1 += mm(q2_t, dz1, DT)
             g2 += mm(q2_t, dz2, DT)
-            dq2 = mm(dz1, _load_dd(w_pair, offs_d, D, True), DT)
-            dq2 += mm(dz2, _load_dd(w_pair + D * D, offs_d, D, True), DT)
+            dq2 = mm(dz1, _load_dd(w_pair, offs_d, D, True, DT), DT)
+            dq2 += mm(dz2, _load_dd(w_pair + D * D, offs_d, D, True, DT), DT)
         else:
-            dz1 = mm(do, _load_dd(w_pair + D * D, offs_d, D, True), DT) * silu_grad
+            dz1 = mm(do, _load_dd(w_pair + D * D, offs_d, D, True, DT), DT) * silu_grad
             g2 += mm(tl.trans(a1), do, DT)
             g1 += mm(q2_t, dz1, DT)
-            dq2 = mm(dz1, _load_dd(w_pair, offs_d, D, True), DT)
+            dq2 = mm(dz1, _load_dd(w_pair, offs_d, D, True, DT), DT)
         tl.store(dq2_ptr + row_offset + tok[:, None] * (H * D) + offs_d[None, :], dq2, mask=valid[:, None])
     offs_dd = offs_d[:, None] * D + offs_d[None, :]
     out = part_ptr + (split.to(tl.int64) * n_pairs + bh) * NW * D * D
@@ -122,7 +122,7 @@ def inner_apply_bwd_kernel(
         tl.store(out + 2 * D * D + offs_dd, g3)
 
 
-@triton.jit(do_not_specialize=_LAYOUT_ARGS)
+@triton.jit(do_not_specialize=LAYOUT_ARGS)
 def inner_step_bwd_kernel(
     k_ptr,
     v_ptr,
@@ -193,45 +193,45 @@ def inner_step_bwd_kernel(
         )  # [BLOCK_N, D]
         v = load_rows(v_ptr + row_offset, H * D, tok, offs_d, valid, mean, rstd, False)
         k2_t = tl.trans(k2)
-        z1 = mm(k2, _load_dd(w_head, offs_d, D, False), DT)
+        z1 = mm(k2, _load_dd(w_head, offs_d, D, False, DT), DT)
         sig = tl.sigmoid(z1)
         a1 = z1 * sig
         silu_grad = sig * (1.0 + z1 * (1.0 - sig))
         silu_grad2 = sig * (1.0 - sig) * (2.0 + z1 * (1.0 - 2.0 * sig))
         # tangent of the inner forward along U (dots: derivative along U)
-        z1_dot = mm(k2, _load_dd(u_pair, offs_d, D, False), DT)
+        z1_dot = mm(k2, _load_dd(u_pair, offs_d, D, False, DT), DT)
         a1_dot = silu_grad * z1_dot
         if SWIGLU:
-            z2 = mm(k2, _load_dd(w_head + D * D, offs_d, D, False), DT)
-            z2_dot = mm(k2, _load_dd(u_pair + D * D, offs_d, D, False), DT)
+            z2 = mm(k2, _load_dd(w_head + D * D, offs_d, D, False, DT), DT)
+            z2_dot = mm(k2, _load_dd(u_pair + D * D, offs_d, D, False, DT), DT)
             a2_dot = a1_dot * z2 + a1 * z2_dot
-            y_dot = mm(a2_dot, _load_dd(w_head + 2 * D * D, offs_d, D, False), DT)
-            y_dot += mm(a1 * z2, _load_dd(u_pair + 2 * D * D, offs_d, D, False), DT)
+            y_dot = mm(a2_dot, _load_dd(w_head + 2 * D * D, offs_d, D, False, DT), DT)
+            y_dot += mm(a1 * z2, _load_dd(u_pair + 2 * D * D, offs_d, D, False, DT), DT)
             # reverse pass of phi_u = v . y_dot
-            d_a2_dot = mm(v, _load_dd(w_head + 2 * D * D, offs_d, D, True), DT)
-            d_a2 = mm(v, _load_dd(u_pair + 2 * D * D, offs_d, D, True), DT)
+            d_a2_dot = mm(v, _load_dd(w_head + 2 * D * D, offs_d, D, True, DT), DT)
+            d_a2 = mm(v, _load_dd(u_pair + 2 * D * D, offs_d, D, True, DT), DT)
             g3 += mm(tl.trans(a2_dot), v, DT)
             d_a1_dot = d_a2_dot * z2
             dz2 = d_a2_dot * a1_dot + d_a2 * a1
             d_a1 = d_a2_dot * z2_dot + d_a2 * z2
             dz1 = d_a1_dot * z1_dot * silu_grad2 + d_a1 * silu_grad
-            dk = mm(d_a1_dot * silu_grad, _load_dd(u_pair, offs_d, D, True), DT)
-            dk += mm(d_a2_dot * a1, _load_dd(u_pair + D * D, offs_d, D, True), DT)
-            dk += mm(dz1, _load_dd(w_head, offs_d, D, True), DT)
-            dk += mm(dz2, _load_dd(w_head + D * D, offs_d, D, True), DT)
+            dk = mm(d_a1_dot * silu_grad, _load_dd(u_pair, offs_d, D, True, DT), DT)
+            dk += mm(d_a2_dot * a1, _load_dd(u_pair + D * D, offs_d, D, True, DT), DT)
+            dk += mm(dz1, _load_dd(w_head, offs_d, D, True, DT), DT)
+            dk += mm(dz2, _load_dd(w_head + D * D, offs_d, D, True, DT), DT)
             g2 += mm(k2_t, dz2, DT)
         else:
-            e = mm(a1, _load_dd(w_head + D * D, offs_d, D, False), DT) - v
-            y_dot = mm(a1_dot, _load_dd(w_head + D * D, offs_d, D, False), DT)
-            y_dot += mm(a1, _load_dd(u_pair + D * D, offs_d, D, False), DT)
+            e = mm(a1, _load_dd(w_head + D * D, offs_d, D, False, DT), DT) - v
+            y_dot = mm(a1_dot, _load_dd(w_head + D * D, offs_d, D, False, DT), DT)
+            y_dot += mm(a1, _load_dd(u_pair + D * D, offs_d, D, False, DT), DT)
             # reverse pass of phi_u = (f(k) - v) . y_dot
-            d_a1_dot = mm(e, _load_dd(w_head + D * D, offs_d, D, True), DT)
+            d_a1_dot = mm(e, _load_dd(w_head + D * D, offs_d, D, True, DT), DT)
             g2 += mm(tl.trans(a1_dot), e, DT) + mm(tl.trans(a1), y_dot, DT)
-            d_a1 = mm(e, _load_dd(u_pair + D * D, offs_d, D, True), DT)
-            d_a1 += mm(y_dot, _load_dd(w_head + D * D, offs_d, D, True), DT)
+            d_a1 = mm(e, _load_dd(u_pair + D * D, offs_d, D, True, DT), DT)
+            d_a1 += mm(y_dot, _load_dd(w_head + D * D, offs_d, D, True, DT), DT)
             dz1 = d_a1_dot * z1_dot * silu_grad2 + d_a1 * silu_grad
-            dk = mm(d_a1_dot * silu_grad, _load_dd(u_pair, offs_d, D, True), DT)
-            dk += mm(dz1, _load_dd(w_head, offs_d, D, True), DT)
+            dk = mm(d_a1_dot * silu_grad, _load_dd(u_pair, offs_d, D, True, DT), DT)
+            dk += mm(dz1, _load_dd(w_head, offs_d, D, True, DT), DT)
         g1 += mm(k2_t, dz1, DT)
         rows = row_offset + tok[:, None] * (H * D) + offs_d[None, :]
         tl.store(dk2_ptr + rows, dk * dk_scale, mask=valid[:, None])
@@ -290,7 +290,8 @@ def inner_apply_bwd(
         HAS_CONV=conv is not None,
         TEXT_FIRST=plan.text_first,
         DT=plan.dot_dtype,
-        num_warps=plan.reduce_warps,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
     return dq2, combine(partials)
 
@@ -348,7 +349,8 @@ def inner_step_bwd(
         HAS_CONV=conv is not None,
         TEXT_FIRST=plan.text_first,
         DT=plan.dot_dtype,
-        num_warps=plan.reduce_warps,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
     per_head = (plan.batch, plan.heads, *grad_fast.shape[1:])
     grad_weights = combine(grad_fast.view(per_head))

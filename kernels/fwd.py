@@ -16,13 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import Plan
+from kernels.launch import LAYOUT_ARGS, Plan
 from kernels.reduce import combine
 from kernels.tiles import conv_tile, image_position, load_rows, mm, norm_stats
 
 __all__ = ["error_sign", "inner_apply_fwd", "inner_step_fwd"]
-
-_LAYOUT_ARGS = ["n_tokens", "text_tokens", "n_image", "grid_h", "grid_w", "tiles_per_split"]
 
 
 def error_sign(variant: str) -> float:
@@ -30,7 +28,7 @@ def error_sign(variant: str) -> float:
     return -1.0 if variant == "swiglu" else 1.0
 
 
-@triton.jit(do_not_specialize=_LAYOUT_ARGS)
+@triton.jit(do_not_specialize=LAYOUT_ARGS)
 def inner_step_fwd_kernel(
     k_ptr,
     v_ptr,
@@ -127,7 +125,7 @@ def inner_step_fwd_kernel(
         tl.store(out + 2 * D * D + offs_dd, g3)
 
 
-@triton.jit(do_not_specialize=["n_tokens", "text_tokens", "n_image", "grid_h", "grid_w"])
+@triton.jit(do_not_specialize=LAYOUT_ARGS[:-1])
 def inner_apply_fwd_kernel(
     q_ptr,
     w_ptr,
@@ -235,7 +233,8 @@ def inner_step_fwd(
         HAS_CONV=conv is not None,
         TEXT_FIRST=plan.text_first,
         DT=plan.dot_dtype,
-        num_warps=plan.reduce_warps,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
     coef = -error_sign(variant) * plan.head_dim**-0.5 / plan.tokens
     return combine(partials, coef, base=weights)
@@ -252,7 +251,7 @@ def inner_apply_fwd(
     """f_{W'}(q + DWC(q)) per token: `(B, N, H, D)` in q's dtype, from W' `(B*H, NW, D, D)`."""
     out = torch.empty_like(q)
     taps, bias = conv if conv is not None else (fast, fast)
-    inner_apply_fwd_kernel[(plan.tiles, plan.programs)](
+    inner_apply_fwd_kernel[(plan.map_tiles, plan.programs)](
         q,
         fast,
         taps,
@@ -266,10 +265,11 @@ def inner_apply_fwd(
         H=plan.heads,
         D=plan.head_dim,
         NW=fast.shape[1],
-        BLOCK_N=plan.block_n,
+        BLOCK_N=plan.map_block_n,
         SWIGLU=variant == "swiglu",
         HAS_CONV=conv is not None,
         TEXT_FIRST=plan.text_first,
         DT=plan.dot_dtype,
+        num_warps=plan.num_warps,
     )
     return out

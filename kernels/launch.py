@@ -13,18 +13,29 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["Plan", "make_plan"]
+__all__ = ["LAYOUT_ARGS", "Plan", "cuda_settings", "make_plan"]
+
+# Runtime ints of the token layout: never specialised, so a new resolution or text length reuses
+# the compiled kernels.
+LAYOUT_ARGS = ["n_tokens", "text_tokens", "n_image", "grid_h", "grid_w", "tiles_per_split"]
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-# Tile sizes. On CUDA they are first guesses until a GPU sweep (kernels/README.md); under the
-# interpreter a small tile keeps several tiles and splits in play at test shapes.
-_BLOCK_N_CUDA = {"fwd": 64, "bwd": 32}
-_BLOCK_N_INTERPRETER = 16
+# CUDA launch settings, chosen from ptxas register / spill / shared-memory reports for sm_90 at
+# D = 64 (kernels/README.md, "Launch settings") and still to be swept on a GPU. Reduction kernels
+# loop over a token range with D x D fp32 accumulators: 8 warps spread them over more registers,
+# and one pipeline stage keeps the backward's operand buffers within shared memory (3 stages need
+# 209 KB there, 1 needs 40 KB). fp32 inputs use 3xTF32 MMAs with larger operands, hence the
+# smaller tile. Per-token map kernels use 32-token tiles, where they do not spill.
+_REDUCE_BLOCK_N = {"fwd": 64, "bwd": 32}
+_REDUCE_BLOCK_N_FP32 = 32
+_MAP_BLOCK_N = 32
+_REDUCE_WARPS = 8
+_REDUCE_STAGES = {"fwd": 2, "bwd": 1}
 # Programs per SM the token split aims for on CUDA.
 _PROGRAMS_PER_SM = 2
-# Warps of the reduction kernels on CUDA: 8 spreads their fp32 D x D accumulators over more
-# registers once D reaches 64.
-_REDUCE_WARPS_WIDE, _WIDE_HEAD_DIM = 8, 64
+# Under the interpreter, small tiles and two splits keep several tiles and a real combine in play
+# at test shapes.
+_BLOCK_N_INTERPRETER = 16
 _SPLITS_INTERPRETER = 2
 
 
@@ -49,7 +60,9 @@ class Plan:
     block_n: int
     splits: int
     tiles_per_split: int
-    reduce_warps: int
+    map_block_n: int
+    num_warps: int
+    num_stages: int
 
     @property
     def programs(self) -> int:
@@ -61,19 +74,28 @@ class Plan:
         return self.grid_h * self.grid_w
 
     @property
-    def tiles(self) -> int:
-        return triton.cdiv(self.tokens, self.block_n)
+    def map_tiles(self) -> int:
+        """Tiles of the per-token map kernels (their first launch-grid axis)."""
+        return triton.cdiv(self.tokens, self.map_block_n)
+
+
+def cuda_settings(dtype: torch.dtype, phase: str) -> tuple[int, int, int, int]:
+    """CUDA `(block_n, map_block_n, num_warps, num_stages)` for inputs of `dtype` in `phase`."""
+    block_n = _REDUCE_BLOCK_N_FP32 if dtype == torch.float32 else _REDUCE_BLOCK_N[phase]
+    stages = 1 if dtype == torch.float32 else _REDUCE_STAGES[phase]
+    return block_n, _MAP_BLOCK_N, _REDUCE_WARPS, stages
 
 
 def make_plan(q: torch.Tensor, *, grid: tuple[int, int] | None, text_tokens: int, text_first: bool, phase: str) -> Plan:
-    """Plan a launch for `q` of shape (B, N, H, D); `phase` is "fwd" or "bwd" (tile size)."""
+    """Plan a launch for `q` of shape (B, N, H, D); `phase` is "fwd" or "bwd"."""
     batch, tokens, heads, head_dim = q.shape
     grid_h, grid_w = grid if grid is not None else (1, tokens - text_tokens)
     if q.is_cuda:
-        block_n = _BLOCK_N_CUDA[phase]
+        block_n, map_block_n, warps, stages = cuda_settings(q.dtype, phase)
         target = _PROGRAMS_PER_SM * _sm_count(q.device.index if q.device.index is not None else 0)
     else:
-        block_n = _BLOCK_N_INTERPRETER
+        block_n = map_block_n = _BLOCK_N_INTERPRETER
+        warps, stages = 4, 1
         target = _SPLITS_INTERPRETER * batch * heads
     tiles = triton.cdiv(tokens, block_n)
     splits = max(1, min(tiles, triton.cdiv(target, batch * heads)))
@@ -91,5 +113,7 @@ def make_plan(q: torch.Tensor, *, grid: tuple[int, int] | None, text_tokens: int
         block_n=block_n,
         splits=triton.cdiv(tiles, tiles_per_split),
         tiles_per_split=tiles_per_split,
-        reduce_warps=_REDUCE_WARPS_WIDE if q.is_cuda and head_dim >= _WIDE_HEAD_DIM else 4,
+        map_block_n=map_block_n,
+        num_warps=warps,
+        num_stages=stages,
     )

@@ -12,8 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fwd import _LAYOUT_ARGS
-from kernels.launch import Plan
+from kernels.launch import LAYOUT_ARGS, Plan
 from kernels.reduce import combine
 from kernels.tiles import conv_tile, image_position, load_rows, norm_stats
 
@@ -23,7 +22,7 @@ _PARTIAL_ROWS = 16
 _BIAS_ROW, _SUM_ROW, _SUM_XHAT_ROW = 9, 10, 11
 
 
-@triton.jit(do_not_specialize=_LAYOUT_ARGS)
+@triton.jit(do_not_specialize=LAYOUT_ARGS)
 def locality_bwd_kernel(
     dy_ptr,
     x_ptr,
@@ -180,7 +179,8 @@ def locality_bwd(
         HAS_NORM=stats is not None,
         HAS_CONV=taps is not None,
         TEXT_FIRST=plan.text_first,
-        num_warps=plan.reduce_warps,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
     return dx, partials
 
@@ -200,7 +200,7 @@ def key_norm_bwd(
     """Gradient through the key instance norm: `(B, N, H, D)` in k's dtype from dLoss/dk_hat (fp32)."""
     sums = combine(partials)  # (B*H, 16, D)
     dk = torch.empty_like(k)
-    key_norm_bwd_kernel[(plan.tiles, plan.programs)](
-        grad_hat, k, stats, sums, dk, plan.tokens, eps, H=plan.heads, D=plan.head_dim, BLOCK_N=plan.block_n
+    key_norm_bwd_kernel[(plan.map_tiles, plan.programs)](
+        grad_hat, k, stats, sums, dk, plan.tokens, eps, H=plan.heads, D=plan.head_dim, BLOCK_N=plan.map_block_n
     )
     return dk

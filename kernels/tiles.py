@@ -16,10 +16,11 @@ __all__ = ["conv_tile", "image_position", "load_rows", "mm", "norm_stats"]
 
 @triton.jit
 def mm(a, b, DT: tl.constexpr):
-    # fp32 inputs keep fp32 products (the reference's precision); fp16 / bf16 inputs use their own
+    # fp32 inputs keep about fp32 precision through three TF32 products (tensor cores; plain fp32
+    # "ieee" dots spill and overflow shared memory at D = 64); fp16 / bf16 inputs use their own
     # dtype as MMA operands. Accumulation is always fp32.
     if DT == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b, input_precision="tf32x3")
     else:
         return tl.dot(a.to(DT), b.to(DT))
 
