@@ -49,8 +49,13 @@ def make_case(n: int, heads: int, head_dim: int, device: str, dtype: torch.dtype
     def check() -> bool:
         with torch.no_grad():
             ref = t5_attention_ref(
-                q, k, v, weights=module.fast_weights(), q_conv=(module.q_conv.weight, module.q_conv.bias),
-                k_conv=(module.k_conv.weight, module.k_conv.bias), grid=(side, side),
+                q,
+                k,
+                v,
+                weights=module.fast_weights(),
+                q_conv=(module.q_conv.weight, module.q_conv.bias),
+                k_conv=(module.k_conv.weight, module.k_conv.bias),
+                grid=(side, side),
             )
             return bool(torch.isfinite(ref).all()) and torch.equal(run_t5(), ref)
 
@@ -68,7 +73,20 @@ def peak_memory_mib(path: str, n: int, args: argparse.Namespace) -> float:
         fns[path]()
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
-    command = [sys.executable, __file__, "--measure-memory", path, "--tokens", str(n), "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--dtype", args.dtype]
+    command = [
+        sys.executable,
+        __file__,
+        "--measure-memory",
+        path,
+        "--tokens",
+        str(n),
+        "--heads",
+        str(args.heads),
+        "--head-dim",
+        str(args.head_dim),
+        "--dtype",
+        args.dtype,
+    ]
     return float(subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip())
 
 
@@ -92,7 +110,9 @@ def measure_memory_here(path: str, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths (square grids)")
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths (square grids)"
+    )
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -105,8 +125,12 @@ def main() -> None:
         return
 
     print(header_line())
-    print(f"T5Attention (torch path) vs SDPA | B=1, {args.heads} heads x {args.head_dim}, {args.dtype}, image grid, no text")
-    print(f"{'N':>6} {'sdpa ms':>10} {'t5 ms':>10} {'t5/sdpa':>8} {'sdpa x':>7} {'t5 x':>6} {'sdpa MiB':>9} {'t5 MiB':>8}")
+    print(
+        f"T5Attention (torch path) vs SDPA | B=1, {args.heads} heads x {args.head_dim}, {args.dtype}, image grid, no text"
+    )
+    print(
+        f"{'N':>6} {'sdpa ms':>10} {'t5 ms':>10} {'t5/sdpa':>8} {'sdpa x':>7} {'t5 x':>6} {'sdpa MiB':>9} {'t5 MiB':>8}"
+    )
     rows: list[dict] = []
     for n in args.tokens:
         fns, check = make_case(n, args.heads, args.head_dim, args.device, getattr(torch, args.dtype))
@@ -132,8 +156,14 @@ def main() -> None:
             f"{n:>6} {row['sdpa_median_ms']:>10.1f} {row['t5_median_ms']:>10.1f} {row['t5_over_sdpa']:>8.3f} "
             f"{growth('sdpa'):>7} {growth('t5'):>6} {row['sdpa_peak_mib']:>9.0f} {row['t5_peak_mib']:>8.0f}"
         )
-    print("t5/sdpa < 1: T5 is faster. 'x' columns: time growth from the previous N (4x tokens: linear = 4, quadratic = 16).")
-    path = write_json(f"attention_{args.device}", rows, {"heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype, "batch": 1})
+    print(
+        "t5/sdpa < 1: T5 is faster. 'x' columns: time growth from the previous N (4x tokens: linear = 4, quadratic = 16)."
+    )
+    path = write_json(
+        f"attention_{args.device}",
+        rows,
+        {"heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype, "batch": 1},
+    )
     print(f"wrote {path}")
 
 

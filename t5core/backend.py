@@ -63,7 +63,9 @@ def resolve_backend(requested: str, q: Tensor, *, variant: str) -> Literal["torc
     reason = kernels if isinstance(kernels, str) else kernels.unsupported_reason(q, variant=variant)
     if requested == "triton":
         if reason is not None:
-            raise RuntimeError(f"backend 'triton' cannot run this call: {reason}. Use backend='torch' (or T5_BACKEND=torch).")
+            raise RuntimeError(
+                f"backend 'triton' cannot run this call: {reason}. Use backend='torch' (or T5_BACKEND=torch)."
+            )
         return "triton"
     if reason is None:
         _log_once("T5 attention: running the Triton kernels")

@@ -73,7 +73,9 @@ def key_rules(arch: BaseArch) -> tuple[KeyRule, ...]:
         if i in arch.dual_attention_layers:
             rules += _attention(f"{s}.x_block.attn2", f"{d}.attn2", text=False, qk_norm=arch.qk_norm, output=True)
         rules += _linear(f"{s}.x_block.adaLN_modulation.1", f"{d}.norm1.linear")
-        rules += _linear(f"{s}.context_block.adaLN_modulation.1", f"{d}.norm1_context.linear", "swapped" if last else "same")
+        rules += _linear(
+            f"{s}.context_block.adaLN_modulation.1", f"{d}.norm1_context.linear", "swapped" if last else "same"
+        )
         rules += _linear(f"{s}.x_block.mlp.fc1", f"{d}.ff.net.0.proj")
         rules += _linear(f"{s}.x_block.mlp.fc2", f"{d}.ff.net.2")
         if not last:

@@ -174,9 +174,17 @@ def _read(path: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
             metadata = handle.metadata() or {}
             tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
-        raise _fail(path, f"is not a readable safetensors file ({error}).", f"The file is corrupt or truncated, or of another format. {not_ours}") from error
+        raise _fail(
+            path,
+            f"is not a readable safetensors file ({error}).",
+            f"The file is corrupt or truncated, or of another format. {not_ours}",
+        ) from error
     if "t5.format_version" not in metadata:
-        raise _fail(path, "is a safetensors file but not a T5 weights file (it has no t5.format_version metadata; is it a model checkpoint or a LoRA?).", not_ours)
+        raise _fail(
+            path,
+            "is a safetensors file but not a T5 weights file (it has no t5.format_version metadata; is it a model checkpoint or a LoRA?).",
+            not_ours,
+        )
     return metadata, tensors
 
 
@@ -190,31 +198,43 @@ def load(path: str | os.PathLike[str]) -> T5Weights:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"T5 weights file not found: {path}. Check the path, or put the file in ComfyUI/models/t5_linearize/.")
+        raise FileNotFoundError(
+            f"T5 weights file not found: {path}. Check the path, or put the file in ComfyUI/models/t5_linearize/."
+        )
     metadata, tensors = _read(path)
     version = metadata["t5.format_version"]
     if version != str(FORMAT_VERSION):
-        raise _fail(path, f"has format version {version}; this t5core reads version {FORMAT_VERSION}.", "Upgrade this package (or re-export the file with this version).")
+        raise _fail(
+            path,
+            f"has format version {version}; this t5core reads version {FORMAT_VERSION}.",
+            "Upgrade this package (or re-export the file with this version).",
+        )
     try:
         config = T5Config.from_metadata(metadata)
         arch = BaseArch.from_metadata(metadata["t5.base"])
         provenance = json.loads(metadata.get("t5.trainer", "{}"))
         layers = resolve_layers(list(config.layers), arch)
     except (KeyError, ValueError, TypeError) as error:
-        raise _fail(path, f"has unreadable T5 metadata ({error!r}).", "Re-export it with t5core.weights.save.") from error
+        raise _fail(
+            path, f"has unreadable T5 metadata ({error!r}).", "Re-export it with t5core.weights.save."
+        ) from error
     shapes = expected_shapes(config, arch)
     modules: dict[str, dict[str, Tensor]] = {name: {} for name in layers}
     base: dict[str, Tensor] = {}
     for key, tensor in tensors.items():
         if key.startswith(BASE_PREFIX):
-            base[key[len(BASE_PREFIX):]] = tensor
+            base[key[len(BASE_PREFIX) :]] = tensor
             continue
         module, _, param = key.rpartition(".")
         if module.endswith("_conv"):
             module, _, conv = module.rpartition(".")
             param = f"{conv}.{param}"
         if module not in modules or param not in shapes:
-            raise _fail(path, f"holds tensor {key!r}, which is not a T5 parameter of its layers {list(layers)}.", "The file is damaged or was edited; re-export it.")
+            raise _fail(
+                path,
+                f"holds tensor {key!r}, which is not a T5 parameter of its layers {list(layers)}.",
+                "The file is damaged or was edited; re-export it.",
+            )
         if tuple(tensor.shape) != shapes[param]:
             raise _fail(
                 path,
@@ -225,7 +245,11 @@ def load(path: str | os.PathLike[str]) -> T5Weights:
     for name, params in modules.items():
         missing = sorted(set(shapes) - set(params))
         if missing:
-            raise _fail(path, f"is missing {', '.join(f'{name}.{p}' for p in missing)}.", "The file is incomplete (an interrupted copy?); download or export it again.")
+            raise _fail(
+                path,
+                f"is missing {', '.join(f'{name}.{p}' for p in missing)}.",
+                "The file is incomplete (an interrupted copy?); download or export it again.",
+            )
     return T5Weights(str(path), config, arch, modules, base, {str(k): str(v) for k, v in provenance.items()})
 
 

@@ -12,10 +12,18 @@ import torch
 from diffusers import SD3Transformer2DModel
 
 PRESETS: dict[str, dict] = {
-    "sd35_medium_like": dict(num_layers=3, attention_head_dim=16, num_attention_heads=2, dual_attention_layers=(0, 1), qk_norm="rms_norm"),
-    "sd35_large_like": dict(num_layers=3, attention_head_dim=16, num_attention_heads=3, dual_attention_layers=(), qk_norm="rms_norm"),
-    "sd3_like": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, dual_attention_layers=(), qk_norm=None),
-    "comfy_sd35_medium_like": dict(num_layers=2, attention_head_dim=64, num_attention_heads=2, dual_attention_layers=(0,), qk_norm="rms_norm"),
+    "sd35_medium_like": dict(
+        num_layers=3, attention_head_dim=16, num_attention_heads=2, dual_attention_layers=(0, 1), qk_norm="rms_norm"
+    ),
+    "sd35_large_like": dict(
+        num_layers=3, attention_head_dim=16, num_attention_heads=3, dual_attention_layers=(), qk_norm="rms_norm"
+    ),
+    "sd3_like": dict(
+        num_layers=2, attention_head_dim=16, num_attention_heads=2, dual_attention_layers=(), qk_norm=None
+    ),
+    "comfy_sd35_medium_like": dict(
+        num_layers=2, attention_head_dim=64, num_attention_heads=2, dual_attention_layers=(0,), qk_norm="rms_norm"
+    ),
 }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,7 +88,11 @@ def arch_of(transformer: nn.Module) -> BaseArch:
     """
     config = getattr(transformer, "config", None)
     needed = ("num_layers", "num_attention_heads", "attention_head_dim")
-    if config is None or not all(hasattr(config, key) for key in needed) or not hasattr(transformer, "transformer_blocks"):
+    if (
+        config is None
+        or not all(hasattr(config, key) for key in needed)
+        or not hasattr(transformer, "transformer_blocks")
+    ):
         raise TypeError(
             f"expected a diffusers SD3Transformer2DModel (SD3, SD3.5 Medium or Large); got {type(transformer).__name__}. "
             "Load the transformer with SD3Transformer2DModel.from_pretrained(..., subfolder='transformer')."
@@ -140,7 +144,9 @@ class T5Handle:
         """
         if param_names is None:
             prefixes = tuple(_diffusers_path(name) + "." for name in self.modules)
-            param_names = [n for n, _ in self.model.named_parameters() if n.startswith(prefixes) and ".processor." not in n]
+            param_names = [
+                n for n, _ in self.model.named_parameters() if n.startswith(prefixes) and ".processor." not in n
+            ]
         wanted = set(param_names)
         state = dict(self.model.named_parameters())
         state.update(self.model.named_buffers())
@@ -193,7 +199,9 @@ def _apply_base(transformer: nn.Module, weights: T5Weights, arch: BaseArch) -> d
     originals: dict[str, Tensor] = {}
     for name, tensor in state.items():
         if name not in params:
-            raise T5WeightsError(f"{path}: base tensor for {name} has no parameter in this model. Re-export the file for this model.")
+            raise T5WeightsError(
+                f"{path}: base tensor for {name} has no parameter in this model. Re-export the file for this model."
+            )
         if tuple(tensor.shape) != tuple(params[name].shape):
             raise T5WeightsError(
                 f"{path}: base tensor for {name} is {tuple(tensor.shape)}, the model has {tuple(params[name].shape)}. "
@@ -243,7 +251,9 @@ def linearize(
     if weights is not None:
         weights = weights if isinstance(weights, T5Weights) else load(weights)
         if variant is not None and variant != weights.config.variant:
-            raise T5WeightsError(f"{weights.name}: holds variant {weights.config.variant!r}, but variant={variant!r} was requested. Drop the variant argument.")
+            raise T5WeightsError(
+                f"{weights.name}: holds variant {weights.config.variant!r}, but variant={variant!r} was requested. Drop the variant argument."
+            )
         names = check_compatible(weights, arch, layers)
         config = T5Config(weights.config.variant, weights.config.key_norm_eps, weights.config.locality, names)
         modules = build_modules(weights, names, backend=backend)
@@ -267,5 +277,11 @@ def linearize(
     for name, module in transformer.named_modules():
         if name.endswith((".attn", ".attn2")) and name not in converted:
             hooks.append(module.register_forward_pre_hook(_drop_grid_hook, with_kwargs=True))
-    logger.info("T5: converted %d of %d attention modules to %s T5 attention (%s)", len(names), len(original), config.variant, ",".join(names) or "none")
+    logger.info(
+        "T5: converted %d of %d attention modules to %s T5 attention (%s)",
+        len(names),
+        len(original),
+        config.variant,
+        ",".join(names) or "none",
+    )
     return T5Handle(transformer, modules, config, arch, original, hooks, replaced_base)

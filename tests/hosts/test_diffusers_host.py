@@ -57,7 +57,13 @@ def test_paper_and_all_convert_the_right_modules():
     model = tiny_transformer("sd35_medium_like")
     handle = linearize(model, "paper")
     # 3 blocks, attn2 on 0-1: paper = both attn2 + the joint attention of the last (up to) 5 blocks.
-    assert set(handle.modules) == {"blocks.0.attn2", "blocks.1.attn2", "blocks.0.attn", "blocks.1.attn", "blocks.2.attn"}
+    assert set(handle.modules) == {
+        "blocks.0.attn2",
+        "blocks.1.attn2",
+        "blocks.0.attn",
+        "blocks.1.attn",
+        "blocks.2.attn",
+    }
     handle.remove()
     handle = linearize(model, "joint:2,attn2:0")
     converted = {k for k, v in model.attn_processors.items() if isinstance(v, T5AttnProcessor)}
@@ -175,8 +181,13 @@ def test_a_variant_clash_with_a_file_is_refused(tmp_path):
 def test_base_tensors_that_do_not_fit_are_refused_before_anything_changes(tmp_path):
     handle = linearize(tiny_transformer(), "all")
     modules = dict(handle.modules)
-    path = t5w.save(tmp_path / "t5.safetensors", modules, arch=handle.arch, config=handle.config,
-                    base={"joint_blocks.0.x_block.attn.proj.weight": torch.zeros(5, 5)})
+    path = t5w.save(
+        tmp_path / "t5.safetensors",
+        modules,
+        arch=handle.arch,
+        config=handle.config,
+        base={"joint_blocks.0.x_block.attn.proj.weight": torch.zeros(5, 5)},
+    )
     model = tiny_transformer()
     before = run(model)
     with pytest.raises(t5w.T5WeightsError, match=r"to_out.0.weight is \(5, 5\)"):

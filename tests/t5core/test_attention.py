@@ -38,8 +38,15 @@ def test_forward_matches_the_reference_and_keeps_the_input_dtype():
     out = module(q, k, v, grid=(4, 3), text_tokens=5, text_first=False)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     ref = t5_attention_ref(
-        q, k, v, weights=module.fast_weights(), q_conv=(module.q_conv.weight, module.q_conv.bias),
-        k_conv=(module.k_conv.weight, module.k_conv.bias), grid=(4, 3), text_tokens=5, text_first=False,
+        q,
+        k,
+        v,
+        weights=module.fast_weights(),
+        q_conv=(module.q_conv.weight, module.q_conv.bias),
+        k_conv=(module.k_conv.weight, module.k_conv.bias),
+        grid=(4, 3),
+        text_tokens=5,
+        text_first=False,
     )
     assert torch.equal(out, ref)
 

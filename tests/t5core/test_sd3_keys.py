@@ -16,7 +16,9 @@ def test_our_sd3_names_load_bit_exactly_through_diffusers_converter(preset):
     model = tiny_transformer(preset)
     state = model.state_dict()
     sd3 = diffusers_to_sd3(state, arch_of(model))
-    back = convert_sd3_transformer_checkpoint_to_diffusers({f"model.diffusion_model.{k}": v.clone() for k, v in sd3.items()})
+    back = convert_sd3_transformer_checkpoint_to_diffusers(
+        {f"model.diffusion_model.{k}": v.clone() for k, v in sd3.items()}
+    )
     assert set(back) == set(state)
     for key, tensor in state.items():
         assert torch.equal(back[key], tensor), key

@@ -21,8 +21,19 @@ def make_inputs(b=2, h=3, w=5, text=4, heads=2, dim=8, dtype=torch.float32, seed
     q, k, v = (torch.randn(b, n, heads, dim, generator=g, dtype=dtype) for _ in range(3))
     n_weights = 3 if variant == "swiglu" else 2
     weights = tuple(torch.randn(heads, dim, dim, generator=g, dtype=dtype) * 0.3 for _ in range(n_weights))
-    convs = tuple((torch.randn(heads * dim, 1, 3, 3, generator=g, dtype=dtype) * 0.3, torch.randn(heads * dim, generator=g, dtype=dtype) * 0.1) for _ in range(2))
-    return q, k, v, dict(weights=weights, variant=variant, q_conv=convs[0], k_conv=convs[1], grid=(h, w), text_tokens=text)
+    convs = tuple(
+        (
+            torch.randn(heads * dim, 1, 3, 3, generator=g, dtype=dtype) * 0.3,
+            torch.randn(heads * dim, generator=g, dtype=dtype) * 0.1,
+        )
+        for _ in range(2)
+    )
+    return (
+        q,
+        k,
+        v,
+        dict(weights=weights, variant=variant, q_conv=convs[0], k_conv=convs[1], grid=(h, w), text_tokens=text),
+    )
 
 
 @pytest.mark.parametrize("variant", ["swiglu", "mlp"])
@@ -32,7 +43,9 @@ def test_closed_form_gradients_equal_autograd_float64(variant):
     k = torch.randn(b, heads, n, d, generator=g, dtype=torch.float64)
     v = torch.randn(b, heads, n, d, generator=g, dtype=torch.float64)
     n_weights = 3 if variant == "swiglu" else 2
-    weights = tuple(torch.randn(b, heads, d, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(n_weights))
+    weights = tuple(
+        torch.randn(b, heads, d, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(n_weights)
+    )
     grads = torch.autograd.grad(inner_loss(k, v, weights, variant), weights)
     updated = inner_step(k, v, weights, variant)
     for w, grad, new in zip(weights, grads, updated, strict=True):

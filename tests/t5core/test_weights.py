@@ -45,7 +45,9 @@ def test_round_trip_keeps_tensors_config_arch_base_and_provenance(tmp_path):
     assert loaded.config == T5Config("swiglu", 1.0, True, LAYERS)
     assert loaded.arch == ARCH
     assert loaded.provenance == {"steps": "3", "trainer": "test"}
-    assert torch.equal(loaded.base["joint_blocks.2.x_block.attn.proj.weight"], base["joint_blocks.2.x_block.attn.proj.weight"])
+    assert torch.equal(
+        loaded.base["joint_blocks.2.x_block.attn.proj.weight"], base["joint_blocks.2.x_block.attn.proj.weight"]
+    )
     rebuilt = t5w.build_modules(loaded, LAYERS)
     for name in LAYERS:
         for key, tensor in modules[name].state_dict().items():
