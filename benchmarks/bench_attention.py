@@ -108,6 +108,10 @@ def measure_memory_here(path: str, args: argparse.Namespace) -> None:
     print((_status_kib("VmHWM") - before) / 1024)
 
 
+def _growth(row: dict, path: str) -> str:
+    return f"{row[f'{path}_growth']:.2f}" if row[f"{path}_growth"] else "-"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -126,7 +130,8 @@ def main() -> None:
 
     print(header_line())
     print(
-        f"T5Attention (torch path) vs SDPA | B=1, {args.heads} heads x {args.head_dim}, {args.dtype}, image grid, no text"
+        f"T5Attention (torch path) vs SDPA | B=1, {args.heads} heads x {args.head_dim}, {args.dtype}, "
+        "image grid, no text"
     )
     print(
         f"{'N':>6} {'sdpa ms':>10} {'t5 ms':>10} {'t5/sdpa':>8} {'sdpa x':>7} {'t5 x':>6} {'sdpa MiB':>9} {'t5 MiB':>8}"
@@ -149,15 +154,13 @@ def main() -> None:
             row[f"{path}_growth"] = row[f"{path}_median_ms"] / previous[f"{path}_median_ms"] if previous else None
         rows.append(row)
 
-        def growth(path: str) -> str:
-            return f"{row[f'{path}_growth']:.2f}" if row[f"{path}_growth"] else "-"
-
         print(
             f"{n:>6} {row['sdpa_median_ms']:>10.1f} {row['t5_median_ms']:>10.1f} {row['t5_over_sdpa']:>8.3f} "
-            f"{growth('sdpa'):>7} {growth('t5'):>6} {row['sdpa_peak_mib']:>9.0f} {row['t5_peak_mib']:>8.0f}"
+            f"{_growth(row, 'sdpa'):>7} {_growth(row, 't5'):>6} {row['sdpa_peak_mib']:>9.0f} {row['t5_peak_mib']:>8.0f}"
         )
     print(
-        "t5/sdpa < 1: T5 is faster. 'x' columns: time growth from the previous N (4x tokens: linear = 4, quadratic = 16)."
+        "t5/sdpa < 1: T5 is faster. 'x' columns: time growth from the previous N "
+        "(4x tokens: linear = 4, quadratic = 16)."
     )
     path = write_json(
         f"attention_{args.device}",

@@ -182,7 +182,8 @@ def _read(path: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
     if "t5.format_version" not in metadata:
         raise _fail(
             path,
-            "is a safetensors file but not a T5 weights file (it has no t5.format_version metadata; is it a model checkpoint or a LoRA?).",
+            "is a safetensors file but not a T5 weights file (it has no t5.format_version metadata; "
+            "is it a model checkpoint or a LoRA?).",
             not_ours,
         )
     return metadata, tensors
@@ -238,7 +239,8 @@ def load(path: str | os.PathLike[str]) -> T5Weights:
         if tuple(tensor.shape) != shapes[param]:
             raise _fail(
                 path,
-                f"{key} is {tuple(tensor.shape)}, but its metadata ({arch.describe()}, variant {config.variant!r}) expects {shapes[param]}.",
+                f"{key} is {tuple(tensor.shape)}, but its metadata ({arch.describe()}, "
+                f"variant {config.variant!r}) expects {shapes[param]}.",
                 "The file is damaged or was edited; re-export it.",
             )
         modules[module][param] = tensor
@@ -281,7 +283,8 @@ def check_compatible(weights: T5Weights, arch: BaseArch, layers: LayerSpec | Non
     if weights.arch != arch:
         raise _fail(
             path,
-            f"was made for a {weights.arch.describe()}, but the model is a {arch.describe()} ({_arch_mismatch(weights, arch)}).",
+            f"was made for a {weights.arch.describe()}, but the model is a {arch.describe()} "
+            f"({_arch_mismatch(weights, arch)}).",
             "Use a T5 weights file trained for this model.",
         )
     if layers is None:
@@ -294,7 +297,8 @@ def check_compatible(weights: T5Weights, arch: BaseArch, layers: LayerSpec | Non
     if missing:
         raise _fail(
             path,
-            f"holds T5 weights for {len(weights.config.layers)} modules ({','.join(weights.config.layers)}); the request {layers!r} also needs {', '.join(missing)}.",
+            f"holds T5 weights for {len(weights.config.layers)} modules ({','.join(weights.config.layers)}); "
+            f"the request {layers!r} also needs {', '.join(missing)}.",
             "Ask for a subset of the file's layers, or train a file that covers them.",
         )
     return wanted

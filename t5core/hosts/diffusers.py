@@ -94,7 +94,8 @@ def arch_of(transformer: nn.Module) -> BaseArch:
         or not hasattr(transformer, "transformer_blocks")
     ):
         raise TypeError(
-            f"expected a diffusers SD3Transformer2DModel (SD3, SD3.5 Medium or Large); got {type(transformer).__name__}. "
+            "expected a diffusers SD3Transformer2DModel (SD3, SD3.5 Medium or Large); "
+            f"got {type(transformer).__name__}. "
             "Load the transformer with SD3Transformer2DModel.from_pretrained(..., subfolder='transformer')."
         )
     return BaseArch(
@@ -252,7 +253,8 @@ def linearize(
         weights = weights if isinstance(weights, T5Weights) else load(weights)
         if variant is not None and variant != weights.config.variant:
             raise T5WeightsError(
-                f"{weights.name}: holds variant {weights.config.variant!r}, but variant={variant!r} was requested. Drop the variant argument."
+                f"{weights.name}: holds variant {weights.config.variant!r}, but variant={variant!r} "
+                "was requested. Drop the variant argument."
             )
         names = check_compatible(weights, arch, layers)
         config = T5Config(weights.config.variant, weights.config.key_norm_eps, weights.config.locality, names)
