@@ -167,3 +167,13 @@ def test_a_failed_node_reports_why_and_the_model_still_samples(comfy, assets, ov
     assert any(re.search(match, message) for message in failed.errors), failed.errors
     softmax = comfy_env.run_prompt(_prompt(enabled=False, prefix="after_failure"))
     assert torch.isfinite(_latents(comfy, softmax)).all()
+
+
+def test_comfyui_reads_the_pack_metadata_from_pyproject(comfy):
+    """What ComfyUI and the Comfy Registry read: `[project]` and `[tool.comfy]`."""
+    from comfy_config import config_parser
+
+    config = config_parser.extract_node_configuration(str(comfy_env.REPO_ROOT))
+    assert config is not None, "pyproject.toml could not be parsed by ComfyUI"
+    assert config.project.name and config.project.version
+    assert config.tool_comfy.publisher_id and config.tool_comfy.display_name == "T5 Linearize"
