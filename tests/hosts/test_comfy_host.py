@@ -476,3 +476,34 @@ def test_skip_layer_guidance_composes_with_t5(model, weights_all):
     plain, with_slg = _sample(converted, negative_tokens=77), _sample(guided, negative_tokens=77)
     assert torch.isfinite(with_slg).all()
     assert not torch.equal(plain, with_slg)
+
+
+@pytest.fixture(scope="module")
+def large_canvas_model(comfy):
+    """The tiny preset with a 128 x 128 position-embedding canvas, so 2048 x 2048 images fit."""
+    from comfy.sd import load_diffusion_model
+    from diffusers import SD3Transformer2DModel
+
+    from tests.tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(**{**tiny_config("comfy_sd35_medium_like"), "pos_embed_max_size": 128}).eval()
+    path = comfy_env.write_checkpoint(comfy.models_dir / "diffusion_models" / "tiny_canvas128.safetensors", transformer)
+    return load_diffusion_model(str(path))
+
+
+@pytest.mark.parametrize(
+    "latent_hw",
+    [
+        pytest.param((128, 128), id="1024x1024"),
+        pytest.param((96, 168), id="1344x768"),
+        pytest.param((256, 256), id="2048x2048"),
+    ],
+)
+def test_full_size_resolutions_run_with_every_attention_converted(large_canvas_model, weights_all, latent_hw):
+    from t5core.hosts.comfy import linearize
+
+    inputs = _inputs(batch=1, latent_hw=latent_hw, text=154)
+    out = _predict(linearize(large_canvas_model, weights_all), inputs)
+    assert out.shape == (1, 16, *latent_hw)
+    assert torch.isfinite(out).all()

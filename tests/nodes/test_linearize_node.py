@@ -65,7 +65,7 @@ def _prompt(*, weights: str = "tiny_e2e.safetensors", layers: str = "", enabled:
             "inputs": {
                 "model": ["3", 0],
                 "seed": 42,
-                "steps": 3,
+                "steps": 2,
                 "cfg": 4.5,
                 "sampler_name": "euler",
                 "scheduler": "sgm_uniform",
