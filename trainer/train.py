@@ -317,4 +317,6 @@ def _run(config: TrainConfig, world: World) -> RunResult:
                 "parameters": {"new": len(split.new), "inherited": len(split.inherited), "frozen": len(split.frozen)},
             },
         )
+    # Leave together: a rank that tears down its process group while rank 0 still writes can abort gloo.
+    world.barrier()
     return RunResult(output, weights, result.step, result.stop_reason, result.last, result.seconds, handle)

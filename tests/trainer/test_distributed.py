@@ -1,0 +1,106 @@
+"""`torchrun --nproc_per_node=2` with gloo on CPU: DDP and FSDP2 match one process on the same global
+batch, and a killed run resumes to the same final weights as an uninterrupted one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.trainer.helpers import write_base, write_cache
+from trainer.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = str(REPO / "trainer" / "run.py")
+TIMEOUT_S = 180
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def _flags(inputs: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    return [
+        "--model.base", str(inputs["base"]),
+        "--data.source", "cache",
+        "--data.path", str(inputs["cache"]),
+        "--model.layers", "all",
+        "--model.trainable", "attention",
+        "--training.batch_size", "4",
+        "--optim.lr", "1e-3",
+        "--output.dir", str(out),
+        "--output.progress", "false",
+        *extra,
+    ]  # fmt: skip
+
+
+def _launch(command: list[str]) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-6000:]}"
+    return done
+
+
+def _torchrun(flags: list[str]) -> subprocess.CompletedProcess:
+    # --standalone: a local rendezvous on a free port, so parallel test runs never collide.
+    return _launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", RUN, *flags])
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    return dict(base=write_base(root / "base"), cache=write_cache(root / "cache", per_bucket=8), root=root)
+
+
+@pytest.fixture(scope="module")
+def single(inputs):
+    out = inputs["root"] / "single"
+    _launch([sys.executable, RUN, *_flags(inputs, out, "--training.steps", "4")])
+    return out
+
+
+def _losses(out: Path) -> list[float]:
+    return [line["loss/total"] for line in read_metrics(out / "metrics.jsonl")]
+
+
+@pytest.mark.parametrize("mode", [pytest.param("ddp", id="ddp"), pytest.param("fsdp2", id="fsdp2")])
+def test_two_processes_match_one(inputs, single, mode):
+    out = inputs["root"] / mode
+    _torchrun(_flags(inputs, out, "--training.steps", "4", "--parallel.mode", mode))
+    # Same global batch, noise and init; only the order of floating-point sums differs (fp32).
+    torch.testing.assert_close(_losses(out), _losses(single), rtol=1e-5, atol=1e-6)
+    reference, exported = load_file(str(single / "t5.safetensors")), load_file(str(out / "t5.safetensors"))
+    assert exported.keys() == reference.keys()
+    for key in reference:
+        torch.testing.assert_close(exported[key], reference[key], rtol=1e-4, atol=1e-6, msg=key)
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["t5.safetensors"]
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_killed_run_resumes_to_the_same_weights(inputs, single):
+    out = inputs["root"] / "killed"
+    flags = _flags(inputs, out, "--training.steps", "4", "--checkpoint.every", "1")
+    command = [sys.executable, RUN, *flags]
+    process = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (out / "checkpoints" / "step-2" / "state.json").is_file():
+            assert process.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.wait(timeout=TIMEOUT_S)
+    assert not (out / "t5.safetensors").exists()
+    _launch([sys.executable, RUN, *flags])
+    assert [line["step"] for line in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    reference, resumed = load_file(str(single / "t5.safetensors")), load_file(str(out / "t5.safetensors"))
+    for key in reference:
+        # Same process count and thread count as the reference: the resumed run is bit-identical.
+        assert torch.equal(resumed[key], reference[key]), key
