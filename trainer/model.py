@@ -23,7 +23,8 @@ __all__ = ["ParamSplit", "build_student", "find_pipeline_folder", "load_base", "
 
 logger = logging.getLogger(__name__)
 
-CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs" / "models"
+"""Shipped diffusers transformer configs, one folder each, for offline single-file loading."""
 SD3_CLASS = "SD3Transformer2DModel"
 _SINGLE_FILE_PREFIX = "model.diffusion_model."
 

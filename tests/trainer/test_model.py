@@ -1,0 +1,84 @@
+"""Base loading: diffusers folders, single-file SD3 checkpoints with local configs, shipped configs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from t5core.hosts.diffusers import arch_of
+from t5core.sd3_keys import diffusers_to_sd3
+from tests.trainer.helpers import tiny_transformer, write_base
+from trainer.config import ModelConfig
+from trainer.model import CONFIGS_DIR, _shipped_config, load_base
+
+PREFIX = "model.diffusion_model."
+
+
+@pytest.fixture(scope="module")
+def single_file(tmp_path_factory):
+    """The tiny transformer as a ComfyUI-style single file (SD3 naming, diffusion-model prefix)."""
+    root = tmp_path_factory.mktemp("single")
+    model = tiny_transformer()
+    state = diffusers_to_sd3(model.state_dict(), arch_of(model))
+    path = root / "tiny_sd35.safetensors"
+    save_file({PREFIX + key: value.contiguous() for key, value in state.items()}, str(path))
+    return dict(path=path, model=model, config=write_base(root / "config"))
+
+
+def test_single_file_loads_bit_exact_with_a_local_config(single_file):
+    loaded = load_base(ModelConfig(base=str(single_file["path"]), config=str(single_file["config"])))
+    expected = single_file["model"].state_dict()
+    assert loaded.state_dict().keys() == expected.keys()
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
+def test_diffusers_folder_loads(single_file):
+    loaded = load_base(ModelConfig(base=str(single_file["config"])))
+    assert torch.equal(loaded.proj_out.weight, single_file["model"].proj_out.weight)
+
+
+def test_single_file_without_a_matching_shipped_config(single_file):
+    with pytest.raises(ValueError, match=r"has 2 blocks .* no shipped config .* Pass --model.config"):
+        load_base(ModelConfig(base=str(single_file["path"])))
+
+
+def _layout_file(path, depth, dual, qk_norm):
+    """A checkpoint with an SD3 layout's key names (tiny tensors: only the names are read)."""
+    keys = ["x_embedder.proj.weight"]
+    for i in range(depth):
+        keys.append(f"joint_blocks.{i}.x_block.attn.qkv.weight")
+        if qk_norm:
+            keys.append(f"joint_blocks.{i}.x_block.attn.ln_q.weight")
+        if i in dual:
+            keys.append(f"joint_blocks.{i}.x_block.attn2.qkv.weight")
+    save_file({PREFIX + key: torch.zeros(1) for key in keys}, str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("depth", "dual", "qk_norm", "expected"),
+    [
+        pytest.param(24, range(13), True, "sd3.5_medium", id="sd3.5-medium"),
+        pytest.param(38, (), True, "sd3.5_large", id="sd3.5-large"),
+        pytest.param(24, (), False, "sd3_medium", id="sd3-medium"),
+    ],
+)
+def test_shipped_config_is_chosen_by_layout(tmp_path, depth, dual, qk_norm, expected):
+    assert _shipped_config(_layout_file(tmp_path / "m.safetensors", depth, dual, qk_norm)).name == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [pytest.param("sd3.5_medium", 2_243_171_520, id="medium"), pytest.param("sd3.5_large", 8_056_627_520, id="large")],
+)
+def test_shipped_configs_build_the_published_models(name, params):
+    from diffusers import SD3Transformer2DModel
+
+    config = json.loads((CONFIGS_DIR / name / "config.json").read_text())
+    with torch.device("meta"):
+        model = SD3Transformer2DModel.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == params
