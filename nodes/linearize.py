@@ -13,7 +13,9 @@ import folder_paths
 from comfy_api.latest import ComfyExtension, io
 from typing_extensions import override
 
+from t5core.config import BaseArch
 from t5core.hosts import comfy as comfy_host
+from t5core.layers import resolve_layers
 
 __all__ = ["FOLDER", "T5Linearize", "T5LinearizeExtension"]
 
@@ -21,6 +23,10 @@ logger = logging.getLogger(__name__)
 
 FOLDER = "t5_linearize"
 CATEGORY = "T5"
+
+# Layer specs are checked for syntax when a prompt is queued, against a model that has every block
+# index a spec can name (whether the connected model has those modules is checked when the node runs).
+_ANY_MODEL = BaseArch(depth=10_000, heads=1, head_dim=1, dual_attention_layers=tuple(range(10_000)))
 
 
 def register_folder() -> None:
@@ -85,10 +91,17 @@ class T5Linearize(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, weights: str | None = None, enabled: bool | None = True) -> bool | str:
-        if enabled is False or weights is None:
+    def validate_inputs(
+        cls, weights: str | None = None, layers: str | None = None, enabled: bool | None = True
+    ) -> bool | str:
+        if enabled is False:
             return True
-        if weights not in folder_paths.get_filename_list(FOLDER):
+        if layers and layers.strip():
+            try:
+                resolve_layers(layers.strip(), _ANY_MODEL)
+            except ValueError as error:
+                return f"T5 Linearize layers: {error}"
+        if weights is not None and weights not in folder_paths.get_filename_list(FOLDER):
             folders = ", ".join(folder_paths.get_folder_paths(FOLDER))
             return (
                 f"T5 weights file {weights!r} is not in the t5_linearize models folder ({folders}). "

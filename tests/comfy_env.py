@@ -153,6 +153,12 @@ def comfy_env(base_dir: Path) -> ComfyEnv:
     return _ENV
 
 
+@pytest.fixture(scope="session")
+def comfy(tmp_path_factory: pytest.TempPathFactory) -> ComfyEnv:
+    """The session's ComfyUI (import it into a test module or conftest to use it)."""
+    return comfy_env(tmp_path_factory.mktemp("comfyui"))
+
+
 def write_checkpoint(path: Path, transformer: torch.nn.Module, *, prefix: str = "model.diffusion_model.") -> Path:
     """Save a diffusers SD3 transformer as an SD3-format checkpoint (SD3 key names, `prefix`)."""
     from t5core.hosts.diffusers import arch_of

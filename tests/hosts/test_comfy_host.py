@@ -18,10 +18,7 @@ from tests.tiny_models import tiny_transformer
 # qkv, text first vs last, different attention kernels); measured gaps are ~1e-6.
 PARITY_ATOL = 1e-4
 
-
-@pytest.fixture(scope="session")
-def comfy(tmp_path_factory):
-    return comfy_env.comfy_env(tmp_path_factory.mktemp("comfyui"))
+comfy = comfy_env.comfy  # the session's ComfyUI (a pytest fixture)
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,6 @@ from tests.tiny_models import tiny_transformer
 ARCH = BaseArch(depth=2, heads=2, head_dim=64, dual_attention_layers=(0,), qk_norm=True)
 
 
-@pytest.fixture(scope="session")
-def comfy(tmp_path_factory):
-    return comfy_env.comfy_env(tmp_path_factory.mktemp("comfyui"))
-
-
 @pytest.fixture(scope="module")
 def node(comfy):
     return comfy.nodes.NODE_CLASS_MAPPINGS["T5Linearize"]
@@ -122,6 +117,13 @@ def test_off_returns_the_incoming_model_itself(node):
             id="missing-file",
         ),
         pytest.param({"weights": "missing.safetensors", "enabled": False}, None, id="off-needs-no-file"),
+        pytest.param(
+            {"layers": "joint:18-23, atn2:0-12"},
+            r"layers: layer spec item 'atn2:0-12' is not understood",
+            id="layer-typo",
+        ),
+        pytest.param({"layers": "joint:5-2"}, r"the range 5-2 is empty", id="layer-range-reversed"),
+        pytest.param({"weights": "tiny_e2e.safetensors", "layers": " paper "}, None, id="valid"),
     ],
 )
 def test_validate_inputs_names_the_folder(node, assets, inputs, match):
@@ -158,6 +160,9 @@ def test_a_prompt_runs_end_to_end_and_t5_changes_the_latents(comfy, assets):
             {"weights": "nope.safetensors"},
             r"'nope\.safetensors' is not in the t5_linearize models folder",
             id="unknown-file",
+        ),
+        pytest.param(
+            {"layers": "atn2:0"}, r"layer spec item 'atn2:0' is not understood", id="layer-typo-at-queue-time"
         ),
     ],
 )

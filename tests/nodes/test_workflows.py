@@ -21,11 +21,6 @@ SEED_CONTROLS = {"fixed", "increment", "decrement", "randomize"}
 MODEL_SUFFIXES = (".safetensors", ".sft", ".gguf", ".ckpt", ".pt", ".pth")
 
 
-@pytest.fixture(scope="session")
-def comfy(tmp_path_factory):
-    return comfy_env.comfy_env(tmp_path_factory.mktemp("comfyui"))
-
-
 def _inputs(node_class) -> dict[str, tuple]:
     spec = node_class.INPUT_TYPES()
     return {name: value for section in ("required", "optional") for name, value in spec.get(section, {}).items()}
