@@ -1,0 +1,127 @@
+"""How much memory per GPU does the T5 fine-tune of SD3.5 Medium / Large need on 4 x 96 GB?
+
+    python benchmarks/bench_trainer_memory.py [--gpus 4] [--gpu-gib 96] [--resolution 1024] [--batch 4]
+
+Builds each model on the meta device from the shipped configs (no weights, no downloads), converts it
+with the `paper` layer spec, splits the parameters exactly as the trainer does, and prints the
+trainer's memory plan (`trainer.memory.plan_memory`) for full and attention-only fine-tunes under
+DDP and FSDP2, with and without the frozen teacher. The softmax column plans the same fine-tune of
+the unconverted model, so the ratio shows what T5 itself adds. Before planning, the parameter counts
+are checked against the published model sizes; a mismatch prints FAIL instead of numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.timing import header_line, write_json  # noqa: E402
+from t5core.hosts.diffusers import linearize  # noqa: E402
+from trainer.config import ModelConfig, OptimConfig  # noqa: E402
+from trainer.memory import ParamCounts, RunShape, plan_memory  # noqa: E402
+from trainer.model import CONFIGS_DIR, split_parameters  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+PUBLISHED_PARAMS = {"sd3.5_medium": 2_243_171_520, "sd3.5_large": 8_056_627_520}
+"""Parameter counts of the released transformers (research notes, diffusers-sd3.md 1.6)."""
+CLIP_TOKENS = 77
+T5_TOKENS = 256
+VAE_FACTOR = 8
+
+
+def _meta_model(name: str):
+    from diffusers import SD3Transformer2DModel
+
+    config = json.loads((CONFIGS_DIR / name / "config.json").read_text(encoding="utf-8"))
+    with torch.device("meta"):
+        return SD3Transformer2DModel.from_config(config)
+
+
+def _counts(model, trainable: str) -> tuple[ParamCounts, ParamCounts]:
+    """Counts for the T5 fine-tune (`paper` layers) and for the same fine-tune without the T5 parameters."""
+    handle = linearize(model, "paper")
+    split = split_parameters(handle, ModelConfig(trainable=trainable), OptimConfig())
+    params = dict(handle.model.named_parameters())
+    counts = ParamCounts(
+        trained=sum(params[n].numel() for n in split.new + split.inherited),
+        frozen=sum(params[n].numel() for n in split.frozen),
+        buffers=sum(b.numel() for b in handle.model.buffers()),
+        largest_block=max(sum(p.numel() for p in b.parameters()) for b in handle.model.transformer_blocks),
+    )
+    new = sum(params[n].numel() for n in split.new)
+    handle.remove()
+    return counts, dataclasses.replace(counts, trained=counts.trained - new)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, default=4)
+    parser.add_argument("--gpu-gib", type=float, default=96.0)
+    parser.add_argument("--resolution", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=4, help="samples per GPU")
+    parser.add_argument("--json", action="store_true", help="write benchmarks/results/trainer_memory.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    print(header_line())
+    setup = f"{args.gpus} GPUs x {args.gpu_gib:g} GiB, {args.resolution}px, batch {args.batch}/GPU"
+    print(f"plan per GPU: {setup}, bf16, gradient checkpointing, paper layers")
+    print(f"{'model':13} {'trains':10} {'mode':6} {'teacher':8} {'T5 GiB':>8} {'softmax':>8} {'ratio':>6}  fits")
+    rows = []
+    for name, published in PUBLISHED_PARAMS.items():
+        model = _meta_model(name)
+        total = sum(p.numel() for p in model.parameters())
+        if total != published:
+            print(f"{name:13} FAIL: {total:,} parameters, the released model has {published:,}")
+            continue
+        side = args.resolution // (VAE_FACTOR * model.config.patch_size)
+        shape = RunShape(
+            batch_per_rank=args.batch,
+            image_tokens=side * side,
+            text_tokens=CLIP_TOKENS + T5_TOKENS,
+            hidden=model.config.num_attention_heads * model.config.attention_head_dim,
+            depth=model.config.num_layers,
+        )
+        for trainable in ("all", "attention"):
+            # The softmax baseline fine-tunes the same weights of the unconverted model.
+            t5_counts, softmax_counts = _counts(model, trainable)
+            for mode in ("ddp", "fsdp2"):
+                for teacher in (False, True):
+                    settings = dict(mode=mode, world_size=args.gpus, precision="bf16", gradient_checkpointing=True)
+                    teacher_params = total if teacher else 0
+                    plan = plan_memory(
+                        t5_counts, shape, **settings, teacher_params=teacher_params, budget_gib=args.gpu_gib
+                    )
+                    base_gib = plan_memory(softmax_counts, shape, **settings, teacher_params=teacher_params).total_gib
+                    fits = "yes" if plan.fits else "NO"
+                    print(
+                        f"{name:13} {trainable:10} {mode:6} {'yes' if teacher else 'no':8} "
+                        f"{plan.total_gib:8.1f} {base_gib:8.1f} {plan.total_gib / base_gib:6.3f}  {fits}"
+                    )
+                    rows.append(
+                        dict(
+                            model=name,
+                            trainable=trainable,
+                            mode=mode,
+                            teacher=teacher,
+                            t5_gib=round(plan.total_gib, 2),
+                            softmax_gib=round(base_gib, 2),
+                            fits=plan.fits,
+                            components={k: round(v, 2) for k, v in plan.components.items()},
+                        )
+                    )
+    if args.json:
+        write_json("trainer_memory", rows, meta=vars(args))
+
+
+if __name__ == "__main__":
+    main()
