@@ -182,3 +182,13 @@ def test_comfyui_reads_the_pack_metadata_from_pyproject(comfy):
     assert config is not None, "pyproject.toml could not be parsed by ComfyUI"
     assert config.project.name and config.project.version
     assert config.tool_comfy.publisher_id and config.tool_comfy.display_name == "T5 Linearize"
+
+
+def test_the_pack_root_exports_only_comfyuis_entry_point(comfy):
+    import sys
+
+    root = sys.modules[str(comfy_env.REPO_ROOT)]  # the name ComfyUI's loader gives a pack folder
+    assert root.__all__ == ["comfy_entrypoint"]
+    assert root.comfy_entrypoint is sys.modules[f"{comfy_env.REPO_ROOT}.nodes"].comfy_entrypoint
+    linearize = sys.modules[f"{comfy_env.REPO_ROOT}.nodes.linearize"]
+    assert sorted(linearize.__all__) == ["FOLDER", "T5Linearize", "T5LinearizeExtension"]
