@@ -22,11 +22,6 @@ from types import ModuleType
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
-from t5core import T5Attention, T5Config
-from t5core.config import BaseArch
-from t5core.weights import save as save_t5_weights
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TESTING_NODES = Path(__file__).resolve().parent / "nodes" / "comfy_testing_nodes.py"
@@ -157,59 +152,6 @@ def comfy_env(base_dir: Path) -> ComfyEnv:
 def comfy(tmp_path_factory: pytest.TempPathFactory) -> ComfyEnv:
     """The session's ComfyUI (import it into a test module or conftest to use it)."""
     return comfy_env(tmp_path_factory.mktemp("comfyui"))
-
-
-def write_checkpoint(path: Path, transformer: torch.nn.Module, *, prefix: str = "model.diffusion_model.") -> Path:
-    """Save a diffusers SD3 transformer as an SD3-format checkpoint (SD3 key names, `prefix`)."""
-    from t5core.hosts.diffusers import arch_of
-    from t5core.sd3_keys import diffusers_to_sd3
-
-    state = diffusers_to_sd3(transformer.state_dict(), arch_of(transformer))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({prefix + key: tensor.contiguous() for key, tensor in state.items()}, str(path))
-    return path
-
-
-def write_t5_weights(
-    path: Path,
-    arch: BaseArch,
-    layers: tuple[str, ...],
-    *,
-    seed: int = 0,
-    fast_weight_std: float = 0.3,
-    base: dict[str, torch.Tensor] | None = None,
-) -> Path:
-    """A T5 weights file with seeded random modules for `layers` (std raised so T5 visibly matters)."""
-    torch.manual_seed(seed)
-    config = T5Config("swiglu", 1.0, True, layers)
-    modules = {name: T5Attention.from_config(config, arch.heads, arch.head_dim) for name in layers}
-    with torch.no_grad():
-        for module in modules.values():
-            for weight in module.fast_weights():
-                weight.normal_(0.0, fast_weight_std)
-    return save_t5_weights(path, modules, arch=arch, config=config, base=base, provenance={"made_by": "tests"})
-
-
-def predict(patcher, x: torch.Tensor, sigma: float, context: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-    """One model evaluation as ComfyUI's samplers make it: load and patch the model and its
-    additional models, merge the patcher's wrappers into `transformer_options`, `apply_model`.
-
-    Returns:
-        The model's velocity prediction `(x - denoised) / sigma`, fp32 on CPU.
-    """
-    import comfy.model_management
-    import comfy.patcher_extension
-
-    comfy.model_management.load_models_gpu([patcher, *patcher.get_nested_additional_models()])
-    options = comfy.patcher_extension.copy_nested_dicts(patcher.model_options["transformer_options"])
-    comfy.patcher_extension.merge_nested_dicts(options.setdefault("wrappers", {}), patcher.wrappers, copy_dict1=False)
-    device = comfy.model_management.get_torch_device()
-    sigmas = torch.full((x.shape[0],), sigma, device=device)
-    with torch.no_grad():
-        denoised = patcher.model.apply_model(
-            x.to(device), sigmas, c_crossattn=context.to(device), y=pooled.to(device), transformer_options=options
-        )
-    return ((x.to(device) - denoised.float()) / sigma).cpu()
 
 
 class _Server:

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from t5core.config import BaseArch
-from tests import comfy_env
+from tests import comfy_env, comfy_tiny
 from tests.tiny_models import tiny_transformer
 
 ARCH = BaseArch(depth=2, heads=2, head_dim=64, dual_attention_layers=(0,), qk_norm=True)
@@ -28,11 +28,11 @@ def node(comfy):
 def assets(comfy):
     """A tiny SD3.5-format single-file checkpoint and T5 weights files in the ComfyUI models folders."""
     checkpoint = comfy.models_dir / "checkpoints" / "tiny_sd35m_e2e.safetensors"
-    comfy_env.write_checkpoint(checkpoint, tiny_transformer("comfy_sd35_medium_like", seed=7))
+    comfy_tiny.write_checkpoint(checkpoint, tiny_transformer("comfy_sd35_medium_like", seed=7))
     folder = comfy.models_dir / "t5_linearize"
-    comfy_env.write_t5_weights(folder / "tiny_e2e.safetensors", ARCH, ARCH.attention_modules(), seed=3)
+    comfy_tiny.write_t5_weights(folder / "tiny_e2e.safetensors", ARCH, ARCH.attention_modules(), seed=3)
     other = BaseArch(depth=3, heads=3, head_dim=64, qk_norm=True)
-    comfy_env.write_t5_weights(folder / "for_another_model.safetensors", other, other.attention_modules())
+    comfy_tiny.write_t5_weights(folder / "for_another_model.safetensors", other, other.attention_modules())
     return checkpoint
 
 

@@ -1,0 +1,141 @@
+"""A tiny SD3.5-Medium-like model in ComfyUI for the ComfyUI tests: checkpoint and T5 weights
+files written here, session fixtures, seeded inputs and one model evaluation the way samplers make it.
+
+ComfyUI's MMDiT fixes head_dim = 64 and heads = depth, so the model is the `comfy_sd35_medium_like`
+preset of tests/tiny_models.py (2 blocks, 2 heads x 64, MMDiT-X `attn2` on block 0).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from t5core import T5Attention, T5Config
+from t5core.config import BaseArch
+from t5core.weights import save as save_t5_weights
+from tests.tiny_models import tiny_transformer
+
+PRESET = "comfy_sd35_medium_like"
+
+
+def write_checkpoint(path: Path, transformer: torch.nn.Module, *, prefix: str = "model.diffusion_model.") -> Path:
+    """Save a diffusers SD3 transformer as an SD3-format checkpoint (SD3 key names, `prefix`)."""
+    from t5core.hosts.diffusers import arch_of
+    from t5core.sd3_keys import diffusers_to_sd3
+
+    state = diffusers_to_sd3(transformer.state_dict(), arch_of(transformer))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({prefix + key: tensor.contiguous() for key, tensor in state.items()}, str(path))
+    return path
+
+
+def write_t5_weights(
+    path: Path,
+    arch: BaseArch,
+    layers: tuple[str, ...],
+    *,
+    seed: int = 0,
+    fast_weight_std: float = 0.3,
+    base: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """A T5 weights file with seeded random modules for `layers` (std raised so T5 visibly matters)."""
+    torch.manual_seed(seed)
+    config = T5Config("swiglu", 1.0, True, layers)
+    modules = {name: T5Attention.from_config(config, arch.heads, arch.head_dim) for name in layers}
+    with torch.no_grad():
+        for module in modules.values():
+            for weight in module.fast_weights():
+                weight.normal_(0.0, fast_weight_std)
+    return save_t5_weights(path, modules, arch=arch, config=config, base=base, provenance={"made_by": "tests"})
+
+
+def predict(patcher, x: torch.Tensor, sigma: float, context: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    """One model evaluation as ComfyUI's samplers make it: load and patch the model and its
+    additional models, merge the patcher's wrappers into `transformer_options`, `apply_model`.
+
+    Returns:
+        The model's velocity prediction `(x - denoised) / sigma`, fp32 on CPU.
+    """
+    import comfy.model_management
+    import comfy.patcher_extension
+
+    comfy.model_management.load_models_gpu([patcher, *patcher.get_nested_additional_models()])
+    options = comfy.patcher_extension.copy_nested_dicts(patcher.model_options["transformer_options"])
+    comfy.patcher_extension.merge_nested_dicts(options.setdefault("wrappers", {}), patcher.wrappers, copy_dict1=False)
+    device = comfy.model_management.get_torch_device()
+    sigmas = torch.full((x.shape[0],), sigma, device=device)
+    with torch.no_grad():
+        denoised = patcher.model.apply_model(
+            x.to(device), sigmas, c_crossattn=context.to(device), y=pooled.to(device), transformer_options=options
+        )
+    return ((x.to(device) - denoised.float()) / sigma).cpu()
+
+
+@pytest.fixture(scope="session")
+def transformer():
+    return tiny_transformer(PRESET)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(comfy, transformer):
+    return write_checkpoint(comfy.models_dir / "diffusion_models" / "tiny_sd35m.safetensors", transformer)
+
+
+@pytest.fixture(scope="session")
+def model(comfy, checkpoint):
+    import comfy.sd
+
+    return comfy.sd.load_diffusion_model(str(checkpoint))
+
+
+@pytest.fixture(scope="session")
+def arch(model):
+    from t5core.hosts.comfy import arch_of
+
+    return arch_of(model.get_model_object("diffusion_model"))
+
+
+@pytest.fixture(scope="session")
+def weights_all(comfy, arch):
+    return write_t5_weights(comfy.models_dir / "t5_linearize" / "tiny_all.safetensors", arch, arch.attention_modules())
+
+
+def inputs(batch: int = 2, latent_hw: tuple[int, int] = (12, 20), text: int = 7, seed: int = 3) -> dict:
+    """Seeded latents `x`, text features `context` and pooled vectors for the tiny model."""
+    generator = torch.Generator().manual_seed(seed)
+    return dict(
+        x=torch.randn(batch, 16, *latent_hw, generator=generator),
+        context=torch.randn(batch, text, 32, generator=generator),
+        pooled=torch.randn(batch, 64, generator=generator),
+    )
+
+
+def run(patcher, batch: dict, sigma: float = 0.6) -> torch.Tensor:
+    """`predict` on a batch made by `inputs`."""
+    return predict(patcher, batch["x"], sigma, batch["context"], batch["pooled"])
+
+
+def snapshot(patcher) -> dict:
+    """What a node could change on a ModelPatcher; values compare by identity (tensors, callables)."""
+    return {
+        "object_patches": dict(patcher.object_patches),
+        "patches": {key: list(value) for key, value in patcher.patches.items()},
+        "wrappers": {
+            kind: {key: list(fns) for key, fns in by_key.items()} for kind, by_key in patcher.wrappers.items()
+        },
+        "additional_models": dict(patcher.additional_models),
+        "transformer_options": copy.deepcopy(patcher.model_options["transformer_options"]),
+    }
+
+
+def checkpoint_state(checkpoint) -> dict[str, torch.Tensor]:
+    """The unpatched weights, in ComfyUI's `diffusion_model.*` naming (the live modules may hold
+    another clone's patched weights until ComfyUI loads a different clone)."""
+    return {
+        f"diffusion_model.{key.removeprefix('model.diffusion_model.')}": t
+        for key, t in load_file(str(checkpoint)).items()
+    }

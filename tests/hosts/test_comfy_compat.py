@@ -1,0 +1,130 @@
+"""The ComfyUI host beside what users combine it with: LoRA weight patches, attention overrides
+(Sage / Flash nodes), ModelSamplingSD3, skip-layer guidance, and CFG batched or split by the sampler.
+
+Runs when ComfyUI is found (tests/comfy_env.py), skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests import comfy_env, comfy_tiny
+
+comfy, transformer, checkpoint, model, arch, weights_all = (  # pytest fixtures
+    comfy_env.comfy,
+    comfy_tiny.transformer,
+    comfy_tiny.checkpoint,
+    comfy_tiny.model,
+    comfy_tiny.arch,
+    comfy_tiny.weights_all,
+)
+
+
+def test_lora_weight_patches_compose_with_t5(model, weights_all, checkpoint):
+    """A LoRA-style diff patch before or after the node equals T5 on a model with those weights."""
+    import comfy.sd
+
+    from t5core.hosts.comfy import linearize
+
+    key = "diffusion_model.joint_blocks.1.x_block.attn.qkv.weight"
+    state = comfy_tiny.checkpoint_state(checkpoint)
+    weight = state[key]
+    diff = 0.05 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(4))
+    inputs = comfy_tiny.inputs(batch=1)
+
+    lora_first = model.clone()
+    lora_first.add_patches({key: (diff,)}, strength_patch=1.0)
+    before = comfy_tiny.run(linearize(lora_first, weights_all), inputs)
+    lora_after = linearize(model, weights_all)
+    lora_after.add_patches({key: (diff,)}, strength_patch=1.0)
+    after = comfy_tiny.run(lora_after, inputs)
+
+    state[key] = weight + diff
+    merged_model = comfy.sd.load_diffusion_model_state_dict(
+        {k.removeprefix("diffusion_model."): t for k, t in state.items()}
+    )
+    merged = comfy_tiny.run(linearize(merged_model, weights_all), inputs)
+    assert not torch.equal(before, comfy_tiny.run(linearize(model, weights_all), inputs))
+    torch.testing.assert_close(before, merged, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(after, merged, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_override_still_reaches_the_softmax_modules(model, weights_all):
+    """Sage/Flash-style `optimized_attention_override` keeps working for modules left softmax."""
+    from t5core.hosts.comfy import linearize
+
+    calls = []
+
+    def override(func, *args, **kwargs):
+        calls.append(args[0].shape[1])
+        return func(*args, **kwargs)
+
+    patched = linearize(model, weights_all, "joint:1")
+    patched.model_options["transformer_options"]["optimized_attention_override"] = override
+    inputs = comfy_tiny.inputs(batch=1, latent_hw=(12, 20), text=7)
+    comfy_tiny.run(patched, inputs)
+    image, joint = 6 * 10, 6 * 10 + 7
+    assert sorted(calls) == [image, joint]
+
+
+def _sample(patcher, *, negative_tokens: int = 154, steps: int = 2, cfg: float = 4.5) -> torch.Tensor:
+    """KSampler's own code path: euler / sgm_uniform, CFG. SD3 conditioning of different text lengths
+    is never batched together (ComfyUI's SD3 `c_crossattn` is a `CONDRegular`), equal lengths are."""
+    import nodes
+
+    generator = torch.Generator().manual_seed(9)
+    positive = [
+        [torch.randn(1, 154, 32, generator=generator), {"pooled_output": torch.randn(1, 64, generator=generator)}]
+    ]
+    negative = [
+        [
+            torch.randn(1, negative_tokens, 32, generator=generator),
+            {"pooled_output": torch.randn(1, 64, generator=generator)},
+        ]
+    ]
+    latent = {"samples": torch.zeros(2, 16, 12, 20)}
+    with torch.no_grad():
+        out = nodes.common_ksampler(patcher, 42, steps, cfg, "euler", "sgm_uniform", positive, negative, latent)
+    return out[0]["samples"]
+
+
+def _count_chunks(patcher, seen: list[int]):
+    import comfy.patcher_extension
+
+    def spy(executor, *args, **kwargs):
+        seen.append(len(args[5]["cond_or_uncond"]))
+        return executor(*args, **kwargs)
+
+    patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, "test_spy", spy)
+    return patcher
+
+
+def test_sampling_with_cfg_batched_or_split_gives_the_same_latents(model, weights_all, monkeypatch):
+    import comfy.model_management
+    from comfy_extras.nodes_model_advanced import ModelSamplingSD3
+
+    from t5core.hosts.comfy import linearize
+
+    shifted = ModelSamplingSD3().patch(model, 3.0)[0]
+    batched_chunks: list[int] = []
+    batched = _sample(_count_chunks(linearize(shifted, weights_all), batched_chunks))
+    split_chunks: list[int] = []
+    monkeypatch.setattr(comfy.model_management, "get_free_memory", lambda *args, **kwargs: 0)
+    split = _sample(_count_chunks(linearize(shifted, weights_all), split_chunks))
+    assert set(batched_chunks) == {2} and set(split_chunks) == {1}
+    assert torch.isfinite(batched).all()
+    torch.testing.assert_close(split, batched, atol=1e-4, rtol=1e-4)
+
+
+def test_skip_layer_guidance_composes_with_t5(model, weights_all):
+    from comfy_extras.nodes_sd3 import SkipLayerGuidanceSD3
+
+    from t5core.hosts.comfy import linearize
+
+    converted = linearize(model, weights_all)
+    guided = SkipLayerGuidanceSD3.execute(converted, layers="0", scale=3.0, start_percent=0.0, end_percent=1.0).result[
+        0
+    ]
+    plain, with_slg = _sample(converted, negative_tokens=77), _sample(guided, negative_tokens=77)
+    assert torch.isfinite(with_slg).all()
+    assert not torch.equal(plain, with_slg)
