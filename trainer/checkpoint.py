@@ -174,8 +174,8 @@ class CheckpointManager:
     ) -> Resumed:
         """Restore a checkpoint into the (wrapped) model, optimizer, scheduler and RNG (collective).
 
-        Rank 0 reads the files and broadcasts; each rank restores its own RNG when the world size
-        is unchanged (otherwise the rank seeds of the new world stay in force, with a warning).
+        Each rank restores its own RNG when the world size is unchanged (otherwise the rank seeds of
+        the new world stay in force, with a warning).
 
         Raises:
             FileNotFoundError: `path` is not a complete checkpoint.
@@ -187,17 +187,14 @@ class CheckpointManager:
                 "of an earlier run, or --checkpoint.resume auto."
             )
         state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-        model_state: dict[str, torch.Tensor] = {}
-        optim_state: dict[str, Any] = {}
-        if self.world.is_main:
-            model_state = load_file(str(path / "model.safetensors"))
-            optim_state = torch.load(path / "optimizer.pt", weights_only=True)
+        # Every rank reads the full trained state and keeps its part. (broadcast_from_rank0 would spare
+        # the other ranks the read, but it deadlocks under FSDP2 with gloo in torch 2.14.)
         set_state_dict(
             model,
             optimizer,
-            model_state_dict=model_state,
-            optim_state_dict=optim_state,
-            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
+            model_state_dict=load_file(str(path / "model.safetensors")),
+            optim_state_dict=torch.load(path / "optimizer.pt", weights_only=True),
+            options=StateDictOptions(full_state_dict=True, strict=False),
         )
         scheduler.load_state_dict(state.pop("scheduler"))
         rng_file = path / f"rng-{self.world.rank}.pt"

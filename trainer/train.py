@@ -40,7 +40,19 @@ TOY_IMAGE_SIZE = 32
 """The toy's image side when `--data.resolution` is 0 (`trainer.toy.data.IMAGE_SIZE`)."""
 REAL_RESOLUTION = 1024
 """The image side of `images` / `prompts` data when `--data.resolution` is 0 (SD3.5's native size)."""
-_RESUME_KEYS = ("model", "data.source", "data.path", "training.batch_size", "training.seed")
+_RESUME_KEYS = (
+    "model.base",
+    "model.layers",
+    "model.variant",
+    "model.key_norm_eps",
+    "model.locality",
+    "model.trainable",
+    "data.source",
+    "data.path",
+    "training.batch_size",
+    "training.seed",
+)
+"""Settings a resumed run must share with its checkpoint (others, such as steps or the backend, may change)."""
 
 
 @dataclass(frozen=True)
@@ -104,9 +116,7 @@ def _flat(config: TrainConfig) -> dict[str, object]:
 def _check_resume_config(saved_text: str, config: TrainConfig) -> None:
     saved, now = _flat(config_from_toml_text(saved_text)), _flat(config)
     differ = [
-        f"--{key} {saved[key]!r} -> {now[key]!r}"
-        for key in saved
-        if key.startswith(_RESUME_KEYS) and saved[key] != now[key]
+        f"--{key} {saved[key]!r} -> {now[key]!r}" for key in saved if key in _RESUME_KEYS and saved[key] != now[key]
     ]
     if differ:
         raise ValueError(
@@ -227,7 +237,14 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     compute_dtype = torch.bfloat16 if config.training.precision == "bf16" else torch.float32
     teacher = make_teacher(base, dtype=compute_dtype) if config.loss.needs_teacher else None
     handle = build_student(base, config.model)
+    if config.loss.feature_weight > 0 and not handle.modules:
+        raise ValueError("--loss.feature_weight aligns converted modules, but --model.layers converts none.")
     split = split_parameters(handle, config.model, config.optim)
+    if not split.new and not split.inherited:
+        raise ValueError(
+            f"nothing would train: --model.layers {config.model.layers!r} converts no module and --model.trainable "
+            f"{config.model.trainable!r} trains only converted ones. Convert layers or use --model.trainable all."
+        )
     memory = _plan(config, handle, split, source, plan, world, teacher)
 
     student = handle.model.to(world.device).train()

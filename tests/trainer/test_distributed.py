@@ -69,10 +69,21 @@ def _losses(out: Path) -> list[float]:
     return [line["loss/total"] for line in read_metrics(out / "metrics.jsonl")]
 
 
-@pytest.mark.parametrize("mode", [pytest.param("ddp", id="ddp"), pytest.param("fsdp2", id="fsdp2")])
-def test_two_processes_match_one(inputs, single, mode):
+@pytest.mark.parametrize(
+    ("mode", "extra", "interrupted"),
+    [
+        pytest.param("ddp", ["--training.gradient_checkpointing", "true"], False, id="ddp-gradient-checkpointing"),
+        # Stopped by the time budget after step 1, then resumed by a second torchrun: FSDP2 checkpoints too.
+        pytest.param("fsdp2", [], True, id="fsdp2-stopped-and-resumed"),
+    ],
+)
+def test_two_processes_match_one(inputs, single, mode, extra, interrupted):
     out = inputs["root"] / mode
-    _torchrun(_flags(inputs, out, "--training.steps", "4", "--parallel.mode", mode))
+    flags = _flags(inputs, out, "--training.steps", "4", "--parallel.mode", mode, *extra)
+    if interrupted:
+        _torchrun([*flags, "--training.max_minutes", "1e-6"])
+        assert [line["step"] for line in read_metrics(out / "metrics.jsonl")] == [1]
+    _torchrun(flags)
     # Same global batch, noise and init; only the order of floating-point sums differs (fp32).
     torch.testing.assert_close(_losses(out), _losses(single), rtol=1e-5, atol=1e-6)
     reference, exported = load_file(str(single / "t5.safetensors")), load_file(str(out / "t5.safetensors"))

@@ -157,3 +157,30 @@ def test_toy_source_trains_the_toy_base(tmp_path):
     result = run(config)
     assert result.step == 1 and result.weights.is_file()
     assert len(result.handle.modules) == 5  # toy: attn2 on blocks 0-1, joint attention of all 3 blocks
+
+
+def test_distillation_from_an_identical_teacher_is_exactly_zero(inputs, tmp_path):
+    # Nothing converted: the student is the teacher's twin, so their outputs agree to the bit.
+    config = config_for(
+        inputs, tmp_path, "--training.steps", "1", "--model.layers", "none", "--model.trainable", "all",
+        "--loss.distill_weight", "1",
+    )  # fmt: skip
+    run(config)
+    assert read_metrics(tmp_path / "metrics.jsonl")[0]["loss/distill"] == 0.0
+
+
+def test_distillation_and_alignment_terms_are_logged(inputs, tmp_path):
+    config = config_for(
+        inputs, tmp_path, "--training.steps", "2", "--loss.distill_weight", "0.5", "--loss.feature_weight", "0.5",
+        "--training.gradient_checkpointing", "true", "--training.precision", "bf16",
+    )  # fmt: skip
+    run(config)
+    first = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert first["loss/distill"] > 0 and first["loss/feature"] > 0
+    expected = first["loss/flow"] + 0.5 * first["loss/distill"] + 0.5 * first["loss/feature"]
+    assert first["loss/total"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_nothing_to_train_is_an_error(inputs, tmp_path):
+    with pytest.raises(ValueError, match=r"nothing would train: --model.layers 'none'"):
+        run(config_for(inputs, tmp_path, "--model.layers", "none", "--model.trainable", "attention"))
