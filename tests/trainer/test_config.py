@@ -91,3 +91,15 @@ def test_bad_values_name_the_flag(flags, match):
 def test_missing_config_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist; check the --config path"):
         parse_args(["--config", str(tmp_path / "nope.toml")])
+
+
+@pytest.mark.parametrize(
+    ("name", "mode"), [pytest.param("sd35_medium", "ddp", id="medium"), pytest.param("sd35_large", "fsdp2", id="large")]
+)
+def test_shipped_recipes_parse(name, mode):
+    from trainer.model import CONFIGS_DIR
+
+    path = CONFIGS_DIR.parent / f"{name}.toml"
+    config = parse_args(["--config", str(path), "--model.base", "/models/sd", "--data.path", "/data/images"])
+    assert (config.parallel.mode, config.training.precision, config.model.layers) == (mode, "bf16", "paper")
+    assert config.optim.new_lr_mult == 10.0 and config.optim.inherited_lr_mult == 0.1
