@@ -230,11 +230,15 @@ class OutputConfig:
     """Write a metrics line every this many steps."""
     progress: bool = True
     """Show the rank-0 progress bar."""
+    toy_eval_samples: int = 180
+    """Toy runs only: ToyEval the teacher and the trained student on this many captions (same noise)
+    and write `toy_eval.md` and `grid.png`; 0 skips it."""
 
     def __post_init__(self) -> None:
         _require(bool(self.dir), "output.dir", "must not be empty.")
         _require(self.name.endswith(".safetensors"), "output.name", f"must end in .safetensors; got {self.name!r}.")
         _require(self.log_every >= 1, "output.log_every", "must be at least 1.")
+        _require(self.toy_eval_samples >= 0, "output.toy_eval_samples", "must not be negative.")
 
 
 @dataclass(kw_only=True, slots=True)

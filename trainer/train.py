@@ -23,6 +23,7 @@ from trainer.cli import config_from_toml_text, config_to_toml, save_config
 from trainer.config import TrainConfig
 from trainer.data import BatchPlan, Source, ToySource
 from trainer.distributed import World, init_world, rank_seed, seed_everything
+from trainer.evaluate import evaluate_toy
 from trainer.export import export_weights, write_report
 from trainer.loop import TrainParts, train_loop
 from trainer.losses import AttentionCapture
@@ -317,6 +318,10 @@ def _run(config: TrainConfig, world: World) -> RunResult:
         "loss_weights": {key: getattr(config.loss, f"{key}_weight") for key in ("flow", "distill", "feature")},
     }
     export_weights(weights, handle, split, world, provenance=provenance)
+    toy_eval = None
+    if config.model.base == "toy":
+        sharded = config.parallel.mode == "fsdp2"
+        toy_eval = evaluate_toy(handle.model, output, world, samples=config.output.toy_eval_samples, sharded=sharded)
     if world.is_main:
         write_report(
             output,
@@ -332,6 +337,7 @@ def _run(config: TrainConfig, world: World) -> RunResult:
                 "last_step": result.last,
                 "memory_plan_gib": {k: round(v, 3) for k, v in memory.components.items()},
                 "parameters": {"new": len(split.new), "inherited": len(split.inherited), "frozen": len(split.frozen)},
+                **({"toy_eval": toy_eval} if toy_eval else {}),
             },
         )
     # Leave together: a rank that tears down its process group while rank 0 still writes can abort gloo.

@@ -141,22 +141,19 @@ def test_time_budget_stops_checkpoints_and_exports(inputs, tmp_path):
     assert result.weights.is_file()
 
 
-def test_toy_source_trains_the_toy_base(tmp_path):
+def test_toy_source_trains_and_evaluates_the_toy_base(tmp_path):
     config = parse_args(
         [
-            "--training.steps",
-            "1",
-            "--training.batch_size",
-            "2",
-            "--output.dir",
-            str(tmp_path),
-            "--output.progress",
-            "false",
+            "--training.steps", "1", "--training.batch_size", "2", "--output.dir", str(tmp_path),
+            "--output.progress", "false", "--output.toy_eval_samples", "4",
         ]
-    )
+    )  # fmt: skip
     result = run(config)
     assert result.step == 1 and result.weights.is_file()
     assert len(result.handle.modules) == 5  # toy: attn2 on blocks 0-1, joint attention of all 3 blocks
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["toy_eval"]) >= {"teacher", "student", "teacher_distance"}
+    assert (tmp_path / "grid.png").is_file() and "ToyEval overall" in (tmp_path / "toy_eval.md").read_text()
 
 
 def test_distillation_from_an_identical_teacher_is_exactly_zero(inputs, tmp_path):
