@@ -70,7 +70,7 @@ def test_image_folder_is_encoded_skipping_bad_files(pipeline, image_folder, tmp_
     from diffusers import AutoencoderKL
 
     vae = AutoencoderKL.from_pretrained(pipeline / "vae", local_files_only=True)
-    pixels = torch.from_numpy(np.asarray(Image.open(image_folder / "img0.png"))).permute(2, 0, 1)
+    pixels = torch.from_numpy(np.array(Image.open(image_folder / "img0.png"))).permute(2, 0, 1)
     with torch.no_grad():
         mean = vae.encode(pixels[None].float() / 127.5 - 1).latent_dist.mean
     torch.testing.assert_close(batch.latents, (mean - 0.0609) * 1.5305, rtol=1e-5, atol=1e-5)
