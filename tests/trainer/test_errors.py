@@ -144,3 +144,12 @@ def test_checkpoint_write_failure_keeps_earlier_checkpoints(tmp_path):
         torch.testing.assert_close(model.weight.detach(), saved, rtol=0, atol=0)
     finally:
         world.close()
+
+
+def test_cli_reports_a_bad_input_and_exits_1(inputs, tmp_path, caplog):
+    from trainer.run import main
+
+    code = main(["--model.base", str(inputs["root"] / "missing"), "--data.source", "cache", "--data.path", "x",
+                 "--output.dir", str(tmp_path / "out")])  # fmt: skip
+    assert code == 1
+    assert "does not exist. Give --model.base" in caplog.text
