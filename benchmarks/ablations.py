@@ -156,10 +156,10 @@ def run(row: Row, seed: int, budget: Budget, *, eval_count: int, teacher_images:
     }
 
 
-def _mean_sd(values: list[float]) -> str:
+def _mean_sd(values: list[float], digits: int = 3) -> str:
     if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def summarise(rows: tuple[Row, ...], results: list[dict], budget: Budget, seeds: list[int]) -> str:
@@ -180,7 +180,7 @@ def summarise(rows: tuple[Row, ...], results: list[dict], budget: Budget, seeds:
         dist = [r["teacher_distance"] for r in runs if r["teacher_distance"] is not None]
         lines.append(
             f"| {row.name} | {row.description} | {runs[0]['converted']} | " + " | ".join(cells) + f" | "
-            f"{_mean_sd([r['val_loss'] for r in runs])} | {_mean_sd(dist) if dist else '-'} |"
+            f"{_mean_sd([r['val_loss'] for r in runs], 4)} | {_mean_sd(dist) if dist else '-'} |"
         )
     return "\n".join(lines)
 
