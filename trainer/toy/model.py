@@ -15,11 +15,17 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from t5core.config import BaseArch
+from t5core.sd3_keys import sd3_to_diffusers
 from trainer.toy.data import JOINT_ATTENTION_DIM, LATENT_CHANNELS, POOLED_DIM, embed_captions
+
+if TYPE_CHECKING:
+    from diffusers import SD3Transformer2DModel
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +72,8 @@ TOY_SHIFT = 1.0
 ModelSamplingSD3(shift=1.0) after the loader."""
 
 
-def toy_arch():
+def toy_arch() -> BaseArch:
     """The toy's `t5core.config.BaseArch` (3 blocks, 3 heads x 64, attn2 on 0-1, qk norm)."""
-    from t5core.config import BaseArch
-
     return BaseArch(
         depth=TOY_DEPTH,
         heads=TOY_DEPTH,
@@ -79,7 +83,7 @@ def toy_arch():
     )
 
 
-def build_toy_model(*, seed: int = 0, dtype: torch.dtype = torch.float32):
+def build_toy_model(*, seed: int = 0, dtype: torch.dtype = torch.float32) -> SD3Transformer2DModel:
     """A freshly initialised toy `SD3Transformer2DModel` (what pretraining starts from)."""
     from diffusers import SD3Transformer2DModel
 
@@ -89,7 +93,7 @@ def build_toy_model(*, seed: int = 0, dtype: torch.dtype = torch.float32):
     return model if dtype == torch.float32 else model.to(dtype)
 
 
-def load_toy_base(*, dtype: torch.dtype = torch.float32, path: Path | str = WEIGHTS_FILE):
+def load_toy_base(*, dtype: torch.dtype = torch.float32, path: Path | str = WEIGHTS_FILE) -> SD3Transformer2DModel:
     """Load the shipped softmax teacher into a diffusers `SD3Transformer2DModel` (eval mode).
 
     Args:
@@ -100,8 +104,6 @@ def load_toy_base(*, dtype: torch.dtype = torch.float32, path: Path | str = WEIG
         FileNotFoundError: the weights file is missing (run `python -m trainer.toy.pretrain`).
     """
     from safetensors.torch import load_file
-
-    from t5core.sd3_keys import sd3_to_diffusers
 
     path = Path(path)
     if not path.is_file():
