@@ -10,12 +10,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tests.trainer.helpers import write_base, write_cache
-from trainer import run
 from trainer.checkpoint import CheckpointManager
 from trainer.cli import parse_args
 from trainer.config import ParallelConfig
 from trainer.distributed import init_world
 from trainer.optim import build_scheduler
+from trainer.train import run
 
 
 @pytest.fixture(scope="module")

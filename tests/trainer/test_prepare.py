@@ -10,12 +10,12 @@ import torch
 from PIL import Image
 
 from tests.trainer.helpers import tiny_transformer, write_images, write_pipeline
-from trainer import run
 from trainer.cache import CacheSource
 from trainer.cli import parse_args
 from trainer.config import DataConfig, ParallelConfig
 from trainer.distributed import init_world
 from trainer.prepare import prepare_images, prepare_prompts
+from trainer.train import run
 
 CLIP_TOKENS = 77
 T5_TOKENS = 8

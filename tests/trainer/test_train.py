@@ -9,12 +9,12 @@ import torch
 
 from t5core.hosts.diffusers import linearize
 from tests.trainer.helpers import write_base, write_cache
-from trainer import run
 from trainer.cli import parse_args
 from trainer.distributed import seed_everything
 from trainer.losses import add_noise
 from trainer.metrics import read_metrics
 from trainer.model import build_student, load_base
+from trainer.train import run
 
 
 @pytest.fixture(scope="module")
