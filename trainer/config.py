@@ -194,11 +194,15 @@ class TrainingConfig:
     """`bf16` = bf16 autocast with fp32 trained weights (frozen weights stored in bf16); `fp32` = full precision."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block in the backward pass (less memory, about 30% more compute)."""
+    threads: int = 1
+    """CPU threads per process for torch ops during the run (0 = torch's default). One thread avoids
+    the oversubscription that makes a shared or multi-process CPU run many times slower."""
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, "training.batch_size", "must be at least 1.")
         _require(self.steps >= 1, "training.steps", "must be at least 1.")
         _require(self.max_minutes >= 0, "training.max_minutes", "must not be negative.")
+        _require(self.threads >= 0, "training.threads", "must not be negative.")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -209,11 +209,15 @@ def run(config: TrainConfig) -> RunResult:
         PermissionError: the output folder is not writable.
         RuntimeError: the memory plan does not fit, or the machine cannot run a requested feature.
     """
+    threads = torch.get_num_threads()
+    if config.training.threads:
+        torch.set_num_threads(config.training.threads)
     world = init_world(config.parallel)
     try:
         return _run(config, world)
     finally:
         world.close()
+        torch.set_num_threads(threads)
 
 
 def _run(config: TrainConfig, world: World) -> RunResult:
