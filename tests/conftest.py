@@ -1,0 +1,25 @@
+"""Process-wide test setup.
+
+Without CUDA the Triton kernels are tested under Triton's CPU interpreter, and Triton decides
+interpreted vs compiled for every `@triton.jit` function, its own `triton.language` helpers
+included, when that function is defined. Other code imports Triton too (torch, diffusers, ComfyUI),
+so this file imports it first, with `TRITON_INTERPRET=1`, and then restores the variable: the
+kernel tests set it again per test (tests/kernels/conftest.py), every other test keeps the torch path.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    _previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except ImportError:
+        pass  # the kernel tests skip with "triton is not installed"
+    finally:
+        if _previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = _previous
