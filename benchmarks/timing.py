@@ -118,7 +118,11 @@ def write_json(name: str, rows: list[dict[str, Any]], meta: dict[str, Any] | Non
     path = RESULTS_DIR / f"{name}.json"
     payload = {"meta": {**environment(), **(meta or {})}, "rows": rows}
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=RESULTS_DIR)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        # mkstemp creates the file 0600; results are meant to be shared like any other file
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w") as handle:
             json.dump(payload, handle, indent=2, sort_keys=False)
             handle.write("\n")
