@@ -18,18 +18,19 @@ import triton.language as tl
 from kernels.fwd import error_sign
 from kernels.launch import LAYOUT_ARGS, Plan
 from kernels.reduce import combine
-from kernels.tiles import conv_tile, image_position, load_rows, mm, norm_stats
+from kernels.tiles import (
+    conv_tile,
+    image_position,
+    load_dd,
+    load_rows,
+    mm,
+    norm_stats,
+    pair_offset,
+    store_partials,
+    tile_tokens,
+)
 
 __all__ = ["inner_apply_bwd", "inner_step_bwd"]
-
-
-@triton.jit
-def _load_dd(ptr, offs_d, D: tl.constexpr, TRANSPOSE: tl.constexpr, DT: tl.constexpr):
-    # [D, D] matrix at ptr (or its transpose, a view of the same tile) as an MMA operand
-    w = tl.load(ptr + offs_d[:, None] * D + offs_d[None, :]).to(DT)
-    if TRANSPOSE:
-        w = tl.trans(w)
-    return w
 
 
 @triton.jit(do_not_specialize=LAYOUT_ARGS)
@@ -58,19 +59,15 @@ def inner_apply_bwd_kernel(
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    n_pairs = tl.num_programs(0)
-    h = bh % H
-    row_offset = (bh // H).to(tl.int64) * n_tokens * H * D + h * D
+    h, row_offset = pair_offset(bh, n_tokens, H, D)
     offs_d = tl.arange(0, D)
     no_norm = tl.zeros([D], dtype=tl.float32)
     w_pair = w_ptr + bh.to(tl.int64) * NW * D * D
     g1 = tl.zeros([D, D], dtype=tl.float32)
     g2 = tl.zeros([D, D], dtype=tl.float32)
-    if SWIGLU:
-        g3 = tl.zeros([D, D], dtype=tl.float32)
+    g3 = tl.zeros([D, D], dtype=tl.float32)  # swiglu only
     for i in range(tiles_per_split):
-        tok = (split * tiles_per_split + i).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = tok < n_tokens
+        tok, valid = tile_tokens(split * tiles_per_split + i, n_tokens, BLOCK_N)
         is_image, row, col = image_position(tok, n_tokens, text_tokens, n_image, grid_w, TEXT_FIRST)
         q2 = conv_tile(
             q_ptr + row_offset,
@@ -94,32 +91,27 @@ def inner_apply_bwd_kernel(
         )  # [BLOCK_N, D]
         do = load_rows(do_ptr + row_offset, H * D, tok, offs_d, valid, no_norm, no_norm, False)
         q2_t = tl.trans(q2)
-        z1 = mm(q2, _load_dd(w_pair, offs_d, D, False, DT), DT)
+        z1 = mm(q2, load_dd(w_pair, offs_d, D, False, DT), DT)
         sig = tl.sigmoid(z1)
         a1 = z1 * sig
         silu_grad = sig * (1.0 + z1 * (1.0 - sig))
         if SWIGLU:
-            z2 = mm(q2, _load_dd(w_pair + D * D, offs_d, D, False, DT), DT)
-            da2 = mm(do, _load_dd(w_pair + 2 * D * D, offs_d, D, True, DT), DT)
+            z2 = mm(q2, load_dd(w_pair + D * D, offs_d, D, False, DT), DT)
+            da2 = mm(do, load_dd(w_pair + 2 * D * D, offs_d, D, True, DT), DT)
             g3 += mm(tl.trans(a1 * z2), do, DT)
             dz1 = da2 * z2 * silu_grad
             dz2 = da2 * a1
             g1 += mm(q2_t, dz1, DT)
             g2 += mm(q2_t, dz2, DT)
-            dq2 = mm(dz1, _load_dd(w_pair, offs_d, D, True, DT), DT)
-            dq2 += mm(dz2, _load_dd(w_pair + D * D, offs_d, D, True, DT), DT)
+            dq2 = mm(dz1, load_dd(w_pair, offs_d, D, True, DT), DT)
+            dq2 += mm(dz2, load_dd(w_pair + D * D, offs_d, D, True, DT), DT)
         else:
-            dz1 = mm(do, _load_dd(w_pair + D * D, offs_d, D, True, DT), DT) * silu_grad
+            dz1 = mm(do, load_dd(w_pair + D * D, offs_d, D, True, DT), DT) * silu_grad
             g2 += mm(tl.trans(a1), do, DT)
             g1 += mm(q2_t, dz1, DT)
-            dq2 = mm(dz1, _load_dd(w_pair, offs_d, D, True, DT), DT)
+            dq2 = mm(dz1, load_dd(w_pair, offs_d, D, True, DT), DT)
         tl.store(dq2_ptr + row_offset + tok[:, None] * (H * D) + offs_d[None, :], dq2, mask=valid[:, None])
-    offs_dd = offs_d[:, None] * D + offs_d[None, :]
-    out = part_ptr + (split.to(tl.int64) * n_pairs + bh) * NW * D * D
-    tl.store(out + offs_dd, g1)
-    tl.store(out + D * D + offs_dd, g2)
-    if SWIGLU:
-        tl.store(out + 2 * D * D + offs_dd, g3)
+    store_partials(part_ptr, split, bh, g1, g2, g3, offs_d, D, NW)
 
 
 @triton.jit(do_not_specialize=LAYOUT_ARGS)
@@ -155,9 +147,7 @@ def inner_step_bwd_kernel(
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    n_pairs = tl.num_programs(0)
-    h = bh % H
-    row_offset = (bh // H).to(tl.int64) * n_tokens * H * D + h * D
+    h, row_offset = pair_offset(bh, n_tokens, H, D)
     k_base = k_ptr + row_offset
     offs_d = tl.arange(0, D)
     mean, rstd = norm_stats(stats_ptr + bh * 2 * D, k_base, n_tokens, eps, offs_d, D, HAS_NORM)
@@ -165,11 +155,9 @@ def inner_step_bwd_kernel(
     u_pair = u_ptr + bh.to(tl.int64) * NW * D * D
     g1 = tl.zeros([D, D], dtype=tl.float32)
     g2 = tl.zeros([D, D], dtype=tl.float32)
-    if SWIGLU:
-        g3 = tl.zeros([D, D], dtype=tl.float32)
+    g3 = tl.zeros([D, D], dtype=tl.float32)  # swiglu only
     for i in range(tiles_per_split):
-        tok = (split * tiles_per_split + i).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = tok < n_tokens
+        tok, valid = tile_tokens(split * tiles_per_split + i, n_tokens, BLOCK_N)
         is_image, row, col = image_position(tok, n_tokens, text_tokens, n_image, grid_w, TEXT_FIRST)
         k2 = conv_tile(
             k_base,
@@ -193,55 +181,50 @@ def inner_step_bwd_kernel(
         )  # [BLOCK_N, D]
         v = load_rows(v_ptr + row_offset, H * D, tok, offs_d, valid, mean, rstd, False)
         k2_t = tl.trans(k2)
-        z1 = mm(k2, _load_dd(w_head, offs_d, D, False, DT), DT)
+        z1 = mm(k2, load_dd(w_head, offs_d, D, False, DT), DT)
         sig = tl.sigmoid(z1)
         a1 = z1 * sig
         silu_grad = sig * (1.0 + z1 * (1.0 - sig))
         silu_grad2 = sig * (1.0 - sig) * (2.0 + z1 * (1.0 - 2.0 * sig))
         # tangent of the inner forward along U (dots: derivative along U)
-        z1_dot = mm(k2, _load_dd(u_pair, offs_d, D, False, DT), DT)
+        z1_dot = mm(k2, load_dd(u_pair, offs_d, D, False, DT), DT)
         a1_dot = silu_grad * z1_dot
         if SWIGLU:
-            z2 = mm(k2, _load_dd(w_head + D * D, offs_d, D, False, DT), DT)
-            z2_dot = mm(k2, _load_dd(u_pair + D * D, offs_d, D, False, DT), DT)
+            z2 = mm(k2, load_dd(w_head + D * D, offs_d, D, False, DT), DT)
+            z2_dot = mm(k2, load_dd(u_pair + D * D, offs_d, D, False, DT), DT)
             a2_dot = a1_dot * z2 + a1 * z2_dot
-            y_dot = mm(a2_dot, _load_dd(w_head + 2 * D * D, offs_d, D, False, DT), DT)
-            y_dot += mm(a1 * z2, _load_dd(u_pair + 2 * D * D, offs_d, D, False, DT), DT)
+            y_dot = mm(a2_dot, load_dd(w_head + 2 * D * D, offs_d, D, False, DT), DT)
+            y_dot += mm(a1 * z2, load_dd(u_pair + 2 * D * D, offs_d, D, False, DT), DT)
             # reverse pass of phi_u = v . y_dot
-            d_a2_dot = mm(v, _load_dd(w_head + 2 * D * D, offs_d, D, True, DT), DT)
-            d_a2 = mm(v, _load_dd(u_pair + 2 * D * D, offs_d, D, True, DT), DT)
+            d_a2_dot = mm(v, load_dd(w_head + 2 * D * D, offs_d, D, True, DT), DT)
+            d_a2 = mm(v, load_dd(u_pair + 2 * D * D, offs_d, D, True, DT), DT)
             g3 += mm(tl.trans(a2_dot), v, DT)
             d_a1_dot = d_a2_dot * z2
             dz2 = d_a2_dot * a1_dot + d_a2 * a1
             d_a1 = d_a2_dot * z2_dot + d_a2 * z2
             dz1 = d_a1_dot * z1_dot * silu_grad2 + d_a1 * silu_grad
-            dk = mm(d_a1_dot * silu_grad, _load_dd(u_pair, offs_d, D, True, DT), DT)
-            dk += mm(d_a2_dot * a1, _load_dd(u_pair + D * D, offs_d, D, True, DT), DT)
-            dk += mm(dz1, _load_dd(w_head, offs_d, D, True, DT), DT)
-            dk += mm(dz2, _load_dd(w_head + D * D, offs_d, D, True, DT), DT)
+            dk = mm(d_a1_dot * silu_grad, load_dd(u_pair, offs_d, D, True, DT), DT)
+            dk += mm(d_a2_dot * a1, load_dd(u_pair + D * D, offs_d, D, True, DT), DT)
+            dk += mm(dz1, load_dd(w_head, offs_d, D, True, DT), DT)
+            dk += mm(dz2, load_dd(w_head + D * D, offs_d, D, True, DT), DT)
             g2 += mm(k2_t, dz2, DT)
         else:
-            e = mm(a1, _load_dd(w_head + D * D, offs_d, D, False, DT), DT) - v
-            y_dot = mm(a1_dot, _load_dd(w_head + D * D, offs_d, D, False, DT), DT)
-            y_dot += mm(a1, _load_dd(u_pair + D * D, offs_d, D, False, DT), DT)
+            e = mm(a1, load_dd(w_head + D * D, offs_d, D, False, DT), DT) - v
+            y_dot = mm(a1_dot, load_dd(w_head + D * D, offs_d, D, False, DT), DT)
+            y_dot += mm(a1, load_dd(u_pair + D * D, offs_d, D, False, DT), DT)
             # reverse pass of phi_u = (f(k) - v) . y_dot
-            d_a1_dot = mm(e, _load_dd(w_head + D * D, offs_d, D, True, DT), DT)
+            d_a1_dot = mm(e, load_dd(w_head + D * D, offs_d, D, True, DT), DT)
             g2 += mm(tl.trans(a1_dot), e, DT) + mm(tl.trans(a1), y_dot, DT)
-            d_a1 = mm(e, _load_dd(u_pair + D * D, offs_d, D, True, DT), DT)
-            d_a1 += mm(y_dot, _load_dd(w_head + D * D, offs_d, D, True, DT), DT)
+            d_a1 = mm(e, load_dd(u_pair + D * D, offs_d, D, True, DT), DT)
+            d_a1 += mm(y_dot, load_dd(w_head + D * D, offs_d, D, True, DT), DT)
             dz1 = d_a1_dot * z1_dot * silu_grad2 + d_a1 * silu_grad
-            dk = mm(d_a1_dot * silu_grad, _load_dd(u_pair, offs_d, D, True, DT), DT)
-            dk += mm(dz1, _load_dd(w_head, offs_d, D, True, DT), DT)
+            dk = mm(d_a1_dot * silu_grad, load_dd(u_pair, offs_d, D, True, DT), DT)
+            dk += mm(dz1, load_dd(w_head, offs_d, D, True, DT), DT)
         g1 += mm(k2_t, dz1, DT)
         rows = row_offset + tok[:, None] * (H * D) + offs_d[None, :]
         tl.store(dk2_ptr + rows, dk * dk_scale, mask=valid[:, None])
         tl.store(dv_ptr + rows, (y_dot * dv_scale).to(dv_ptr.dtype.element_ty), mask=valid[:, None])
-    offs_dd = offs_d[:, None] * D + offs_d[None, :]
-    out = part_ptr + (split.to(tl.int64) * n_pairs + bh) * NW * D * D
-    tl.store(out + offs_dd, g1)
-    tl.store(out + D * D + offs_dd, g2)
-    if SWIGLU:
-        tl.store(out + 2 * D * D + offs_dd, g3)
+    store_partials(part_ptr, split, bh, g1, g2, g3, offs_d, D, NW)
 
 
 def _partials(plan: Plan, n_weights: int, device: torch.device) -> torch.Tensor:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from kernels.launch import LAYOUT_ARGS, Plan
 from kernels.reduce import combine
-from kernels.tiles import conv_tile, image_position, load_rows, mm, norm_stats
+from kernels.tiles import conv_tile, image_position, load_rows, mm, norm_stats, pair_offset, store_partials, tile_tokens
 
 __all__ = ["error_sign", "inner_apply_fwd", "inner_step_fwd"]
 
@@ -56,9 +56,7 @@ def inner_step_fwd_kernel(
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    n_pairs = tl.num_programs(0)
-    h = bh % H
-    row_offset = (bh // H).to(tl.int64) * n_tokens * H * D + h * D
+    h, row_offset = pair_offset(bh, n_tokens, H, D)
     k_base = k_ptr + row_offset
     v_base = v_ptr + row_offset
     offs_d = tl.arange(0, D)
@@ -71,16 +69,15 @@ def inner_step_fwd_kernel(
     w1 = tl.load(w_head + offs_dd).to(DT)  # [D, D], kept in registers as MMA operands
     g1 = tl.zeros([D, D], dtype=tl.float32)
     g2 = tl.zeros([D, D], dtype=tl.float32)
+    g3 = tl.zeros([D, D], dtype=tl.float32)  # swiglu only
     if SWIGLU:
         w2 = tl.load(w_head + D * D + offs_dd).to(DT)
         w3_t = tl.load(w_head + 2 * D * D + offs_dd_t).to(DT)
-        g3 = tl.zeros([D, D], dtype=tl.float32)
     else:
         w2_t = tl.load(w_head + D * D + offs_dd_t).to(DT)
         w2 = tl.load(w_head + D * D + offs_dd).to(DT)
     for i in range(tiles_per_split):
-        tok = (split * tiles_per_split + i).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = tok < n_tokens
+        tok, valid = tile_tokens(split * tiles_per_split + i, n_tokens, BLOCK_N)
         is_image, row, col = image_position(tok, n_tokens, text_tokens, n_image, grid_w, TEXT_FIRST)
         k2 = conv_tile(
             k_base,
@@ -118,11 +115,7 @@ def inner_step_fwd_kernel(
             e = mm(a1, w2, DT) - v
             g1 += mm(k2_t, mm(e, w2_t, DT) * silu_grad, DT)
             g2 += mm(tl.trans(a1), e, DT)
-    out = part_ptr + (split.to(tl.int64) * n_pairs + bh) * NW * D * D
-    tl.store(out + offs_dd, g1)
-    tl.store(out + D * D + offs_dd, g2)
-    if SWIGLU:
-        tl.store(out + 2 * D * D + offs_dd, g3)
+    store_partials(part_ptr, split, bh, g1, g2, g3, offs_d, D, NW)
 
 
 @triton.jit(do_not_specialize=LAYOUT_ARGS[:-1])
@@ -148,12 +141,10 @@ def inner_apply_fwd_kernel(
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1)
-    h = bh % H
-    row_offset = (bh // H).to(tl.int64) * n_tokens * H * D + h * D
+    h, row_offset = pair_offset(bh, n_tokens, H, D)
     offs_d = tl.arange(0, D)
     offs_dd = offs_d[:, None] * D + offs_d[None, :]
-    tok = tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = tok < n_tokens
+    tok, valid = tile_tokens(tile, n_tokens, BLOCK_N)
     is_image, row, col = image_position(tok, n_tokens, text_tokens, n_image, grid_w, TEXT_FIRST)
     no_norm = tl.zeros([D], dtype=tl.float32)
     q2 = conv_tile(

@@ -14,7 +14,16 @@ import triton.language as tl
 
 from kernels.launch import LAYOUT_ARGS, Plan
 from kernels.reduce import combine
-from kernels.tiles import conv_tile, image_position, load_rows, norm_stats
+from kernels.tiles import (
+    conv_tile,
+    image_position,
+    load_rows,
+    neighbour,
+    norm_stats,
+    pair_offset,
+    partial_ptr,
+    tile_tokens,
+)
 
 __all__ = ["conv_param_grads", "key_norm_bwd", "locality_bwd"]
 
@@ -48,9 +57,7 @@ def locality_bwd_kernel(
     # on the fly when HAS_NORM), needed for the taps' gradient.
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    n_pairs = tl.num_programs(0)
-    h = bh % H
-    row_offset = (bh // H).to(tl.int64) * n_tokens * H * D + h * D
+    h, row_offset = pair_offset(bh, n_tokens, H, D)
     x_base = x_ptr + row_offset
     dy_base = dy_ptr + row_offset
     offs_d = tl.arange(0, D)
@@ -60,8 +67,7 @@ def locality_bwd_kernel(
     taps = taps_ptr + h * 9 * D
     acc = tl.zeros([16, D], dtype=tl.float32)
     for i in range(tiles_per_split):
-        tok = (split * tiles_per_split + i).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = tok < n_tokens
+        tok, valid = tile_tokens(split * tiles_per_split + i, n_tokens, BLOCK_N)
         is_image, row, col = image_position(tok, n_tokens, text_tokens, n_image, grid_w, TEXT_FIRST)
         dx = conv_tile(
             dy_base,
@@ -86,10 +92,8 @@ def locality_bwd_kernel(
         if HAS_CONV:
             dy_image = load_rows(dy_base, H * D, tok, offs_d, is_image, no_norm, no_norm, False)
             for tap in tl.static_range(9):
-                oy = tap // 3 - 1
-                ox = tap % 3 - 1
-                ok = is_image & (row + oy >= 0) & (row + oy < grid_h) & (col + ox >= 0) & (col + ox < grid_w)
-                x_tap = load_rows(x_base, H * D, tok + oy * grid_w + ox, offs_d, ok, mean, rstd, HAS_NORM)
+                tok_tap, ok = neighbour(tok, is_image, row, col, grid_h, grid_w, tap, False)
+                x_tap = load_rows(x_base, H * D, tok_tap, offs_d, ok, mean, rstd, HAS_NORM)
                 acc += tl.where(rows16[:, None] == tap, tl.sum(dy_image * x_tap, axis=0)[None, :], 0.0)
             acc += tl.where(rows16[:, None] == 9, tl.sum(dy_image, axis=0)[None, :], 0.0)
         if HAS_NORM:
@@ -98,7 +102,7 @@ def locality_bwd_kernel(
             acc += tl.where(rows16[:, None] == 11, tl.sum(dx * x_hat, axis=0)[None, :], 0.0)
         out = dx_ptr + row_offset + tok[:, None] * (H * D) + offs_d[None, :]
         tl.store(out, dx.to(dx_ptr.dtype.element_ty), mask=valid[:, None])
-    part = part_ptr + (split.to(tl.int64) * n_pairs + bh) * 16 * D
+    part = partial_ptr(part_ptr, split, bh, 16 * D)
     tl.store(part + rows16[:, None] * D + offs_d[None, :], acc)
 
 
@@ -118,14 +122,13 @@ def key_norm_bwd_kernel(
     # dk = rstd * (g - mean_N(g) - k_hat * mean_N(g * k_hat)), g = dLoss/dk_hat
     tile = tl.program_id(0)
     bh = tl.program_id(1)
-    row_offset = (bh // H).to(tl.int64) * n_tokens * H * D + (bh % H) * D
+    _, row_offset = pair_offset(bh, n_tokens, H, D)
     offs_d = tl.arange(0, D)
     mean, rstd = norm_stats(stats_ptr + bh * 2 * D, k_ptr + row_offset, n_tokens, eps, offs_d, D, True)
     sums = sums_ptr + bh.to(tl.int64) * 16 * D
     g_mean = tl.load(sums + 10 * D + offs_d) / n_tokens
     gx_mean = tl.load(sums + 11 * D + offs_d) / n_tokens
-    tok = tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = tok < n_tokens
+    tok, valid = tile_tokens(tile, n_tokens, BLOCK_N)
     k_hat = load_rows(k_ptr + row_offset, H * D, tok, offs_d, valid, mean, rstd, True)
     g = load_rows(g_ptr + row_offset, H * D, tok, offs_d, valid, mean, rstd, False)
     dk = rstd[None, :] * (g - g_mean[None, :] - k_hat * gx_mean[None, :])

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import Plan
+from kernels.tiles import pair_offset, partial_ptr, tile_tokens
 
 __all__ = ["combine", "key_stats_fwd"]
 
@@ -31,22 +32,20 @@ def key_stats_fwd_kernel(
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    n_pairs = tl.num_programs(0)
-    b = (bh // H).to(tl.int64)
-    k_base = k_ptr + b * n_tokens * H * D + (bh % H) * D
+    _, row_offset = pair_offset(bh, n_tokens, H, D)
+    k_base = k_ptr + row_offset
     offs_d = tl.arange(0, D)
     # shifting by the first token keeps E[x^2] - E[x]^2 well conditioned when |mean| >> std
     k0 = tl.load(k_base + offs_d).to(tl.float32)
     s1 = tl.zeros([D], dtype=tl.float32)
     s2 = tl.zeros([D], dtype=tl.float32)
     for i in range(tiles_per_split):
-        tok = (split * tiles_per_split + i).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = tok < n_tokens
+        tok, valid = tile_tokens(split * tiles_per_split + i, n_tokens, BLOCK_N)
         x = tl.load(k_base + tok[:, None] * (H * D) + offs_d[None, :], mask=valid[:, None], other=0.0)
         x = tl.where(valid[:, None], x.to(tl.float32) - k0[None, :], 0.0)  # [BLOCK_N, D]
         s1 += tl.sum(x, axis=0)
         s2 += tl.sum(x * x, axis=0)
-    out = part_ptr + (split.to(tl.int64) * n_pairs + bh) * 2 * D
+    out = partial_ptr(part_ptr, split, bh, 2 * D)
     tl.store(out + offs_d, s1)
     tl.store(out + D + offs_d, s2)
 

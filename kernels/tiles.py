@@ -11,7 +11,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["conv_tile", "image_position", "load_rows", "mm", "norm_stats"]
+__all__ = [
+    "conv_tile",
+    "image_position",
+    "load_dd",
+    "load_rows",
+    "mm",
+    "neighbour",
+    "norm_stats",
+    "pair_offset",
+    "partial_ptr",
+    "store_partials",
+    "tile_tokens",
+]
 
 
 @triton.jit
@@ -23,6 +35,47 @@ def mm(a, b, DT: tl.constexpr):
         return tl.dot(a, b, input_precision="tf32x3")
     else:
         return tl.dot(a.to(DT), b.to(DT))
+
+
+@triton.jit
+def load_dd(ptr, offs_d, D: tl.constexpr, TRANSPOSE: tl.constexpr, DT: tl.constexpr):
+    # [D, D] matrix at ptr (or its transpose, a view of the same tile) as an MMA operand
+    w = tl.load(ptr + offs_d[:, None] * D + offs_d[None, :]).to(DT)
+    if TRANSPOSE:
+        w = tl.trans(w)
+    return w
+
+
+@triton.jit
+def pair_offset(bh, n_tokens, H: tl.constexpr, D: tl.constexpr):
+    # (sample, head) pair bh -> (head, int64 offset of its token 0 in a contiguous (B, N, H, D))
+    h = bh % H
+    return h, (bh // H).to(tl.int64) * n_tokens * H * D + h * D
+
+
+@triton.jit
+def tile_tokens(tile, n_tokens, BLOCK_N: tl.constexpr):
+    # [BLOCK_N] int64 token indices of tile `tile`, and which of them are < N
+    tok = tile.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return tok, tok < n_tokens
+
+
+@triton.jit
+def partial_ptr(part_ptr, split, bh, SIZE: tl.constexpr):
+    # start of the (split, pair) partial in a (S, P, ...) buffer of SIZE elements per partial;
+    # the reductions' launch grid is (P, S)
+    return part_ptr + (split.to(tl.int64) * tl.num_programs(0) + bh) * SIZE
+
+
+@triton.jit
+def store_partials(part_ptr, split, bh, g1, g2, g3, offs_d, D: tl.constexpr, NW: tl.constexpr):
+    # this program's [NW, D, D] fp32 partial of a (S, P, NW, D, D) buffer; g3 only when NW == 3
+    out = partial_ptr(part_ptr, split, bh, NW * D * D)
+    offs_dd = offs_d[:, None] * D + offs_d[None, :]
+    tl.store(out + offs_dd, g1)
+    tl.store(out + D * D + offs_dd, g2)
+    if NW == 3:
+        tl.store(out + 2 * D * D + offs_dd, g3)
 
 
 @triton.jit
@@ -62,6 +115,19 @@ def load_rows(base, stride_n, tok, offs_d, valid, mean, rstd, HAS_NORM: tl.const
 
 
 @triton.jit
+def neighbour(tok, is_image, row, col, grid_h, grid_w, tap: tl.constexpr, FLIP: tl.constexpr):
+    # token at 3x3 offset `tap` = 3 * (dy + 1) + (dx + 1) (mirrored if FLIP) of each token, and
+    # whether it lies on the grid (image tokens only; zero padding)
+    dy = tap // 3 - 1
+    dx = tap % 3 - 1
+    if FLIP:
+        dy = -dy
+        dx = -dx
+    ok = is_image & (row + dy >= 0) & (row + dy < grid_h) & (col + dx >= 0) & (col + dx < grid_w)
+    return tok + dy * grid_w + dx, ok
+
+
+@triton.jit
 def conv_tile(
     base,
     stride_n,
@@ -89,14 +155,9 @@ def conv_tile(
     if HAS_CONV:
         acc = tl.zeros_like(x)
         for tap in tl.static_range(9):
-            dy = tap // 3 - 1
-            dx = tap % 3 - 1
-            if FLIP:
-                dy = -dy
-                dx = -dx
-            ok = is_image & (row + dy >= 0) & (row + dy < grid_h) & (col + dx >= 0) & (col + dx < grid_w)
-            neighbour = load_rows(base, stride_n, tok + dy * grid_w + dx, offs_d, ok, mean, rstd, HAS_NORM)
-            acc += neighbour * tl.load(taps_ptr + tap * D + offs_d)[None, :]
+            tok_tap, ok = neighbour(tok, is_image, row, col, grid_h, grid_w, tap, FLIP)
+            x_tap = load_rows(base, stride_n, tok_tap, offs_d, ok, mean, rstd, HAS_NORM)
+            acc += x_tap * tl.load(taps_ptr + tap * D + offs_d)[None, :]
         if not FLIP:
             acc += tl.load(bias_ptr + offs_d)[None, :]
         x = x + tl.where(is_image[:, None], acc, 0.0)
