@@ -227,11 +227,6 @@ def inner_step_bwd_kernel(
     store_partials(part_ptr, split, bh, g1, g2, g3, offs_d, D, NW)
 
 
-def _partials(plan: Plan, n_weights: int, device: torch.device) -> torch.Tensor:
-    shape = (plan.splits, plan.programs, n_weights, plan.head_dim, plan.head_dim)
-    return torch.empty(shape, device=device, dtype=torch.float32)
-
-
 def inner_apply_bwd(
     q: torch.Tensor,
     fast: torch.Tensor,
@@ -248,7 +243,7 @@ def inner_apply_bwd(
         `(B*H, NW, D, D)` fp32.
     """
     n_weights = fast.shape[1]
-    partials = _partials(plan, n_weights, q.device)
+    partials = plan.partials(n_weights, plan.head_dim, plan.head_dim, device=q.device)
     dq2 = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     taps, bias = conv if conv is not None else (fast, fast)
     inner_apply_bwd_kernel[(plan.programs, plan.splits)](
@@ -259,12 +254,7 @@ def inner_apply_bwd(
         grad_out,
         dq2,
         partials,
-        plan.tokens,
-        plan.text_tokens,
-        plan.n_image,
-        plan.grid_h,
-        plan.grid_w,
-        plan.tiles_per_split,
+        **plan.layout_args(),
         H=plan.heads,
         D=plan.head_dim,
         NW=n_weights,
@@ -298,11 +288,11 @@ def inner_step_bwd(
         gradient of the initial fast weights `(H, NW, D, D)` fp32 (summed over the batch).
     """
     n_weights = weights.shape[1]
-    partials = _partials(plan, n_weights, k.device)
+    partials = plan.partials(n_weights, plan.head_dim, plan.head_dim, device=k.device)
     dk2 = torch.empty(k.shape, device=k.device, dtype=torch.float32)
     dv = torch.empty_like(v)
     taps, bias = conv if conv is not None else (weights, weights)
-    sign, scale = error_sign(variant), plan.head_dim**-0.5 / plan.tokens
+    sign, scale = error_sign(variant), plan.error_scale
     inner_step_bwd_kernel[(plan.programs, plan.splits)](
         k,
         v,
@@ -314,15 +304,10 @@ def inner_step_bwd(
         dk2,
         dv,
         partials,
-        plan.tokens,
-        plan.text_tokens,
-        plan.n_image,
-        plan.grid_h,
-        plan.grid_w,
-        plan.tiles_per_split,
-        eps,
-        -sign * scale,
-        scale,
+        **plan.layout_args(),
+        eps=eps,
+        dk_scale=-sign * scale,
+        dv_scale=scale,
         H=plan.heads,
         D=plan.head_dim,
         NW=n_weights,

@@ -196,9 +196,7 @@ def inner_step_fwd(
     `(taps (H, 9, D), bias (H, D))` (None: no locality).
     """
     n_weights = weights.shape[1]
-    partials = torch.empty(
-        plan.splits, plan.programs, n_weights, plan.head_dim, plan.head_dim, device=k.device, dtype=torch.float32
-    )
+    partials = plan.partials(n_weights, plan.head_dim, plan.head_dim, device=k.device)
     taps, bias = conv if conv is not None else (weights, weights)
     inner_step_fwd_kernel[(plan.programs, plan.splits)](
         k,
@@ -208,13 +206,8 @@ def inner_step_fwd(
         taps,
         bias,
         partials,
-        plan.tokens,
-        plan.text_tokens,
-        plan.n_image,
-        plan.grid_h,
-        plan.grid_w,
-        plan.tiles_per_split,
-        eps,
+        **plan.layout_args(),
+        eps=eps,
         H=plan.heads,
         D=plan.head_dim,
         NW=n_weights,
@@ -227,7 +220,7 @@ def inner_step_fwd(
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
-    coef = -error_sign(variant) * plan.head_dim**-0.5 / plan.tokens
+    coef = -error_sign(variant) * plan.error_scale
     return combine(partials, coef, base=weights)
 
 
@@ -248,11 +241,7 @@ def inner_apply_fwd(
         taps,
         bias,
         out,
-        plan.tokens,
-        plan.text_tokens,
-        plan.n_image,
-        plan.grid_h,
-        plan.grid_w,
+        **plan.layout_args(reduction=False),
         H=plan.heads,
         D=plan.head_dim,
         NW=fast.shape[1],

@@ -78,6 +78,22 @@ class Plan:
         """Tiles of the per-token map kernels (their first launch-grid axis)."""
         return triton.cdiv(self.tokens, self.map_block_n)
 
+    @property
+    def error_scale(self) -> float:
+        """scale/N = D^-1/2 / N, the factor the kernels leave out of the inner error."""
+        return self.head_dim**-0.5 / self.tokens
+
+    def layout_args(self, *, reduction: bool = True) -> dict[str, int]:
+        """The runtime `LAYOUT_ARGS` of a launch by name; map kernels (`reduction=False`) take no
+        `tiles_per_split`."""
+        names = LAYOUT_ARGS if reduction else LAYOUT_ARGS[:-1]
+        values = (self.tokens, self.text_tokens, self.n_image, self.grid_h, self.grid_w, self.tiles_per_split)
+        return dict(zip(names, values[: len(names)], strict=True))
+
+    def partials(self, *shape: int, device: torch.device) -> torch.Tensor:
+        """Uninitialised fp32 `(S, B*H, *shape)`: one partial per split and (sample, head) pair."""
+        return torch.empty(self.splits, self.programs, *shape, device=device, dtype=torch.float32)
+
 
 def cuda_settings(dtype: torch.dtype, phase: str) -> tuple[int, int, int, int]:
     """CUDA `(block_n, map_block_n, num_warps, num_stages)` for inputs of `dtype` in `phase`."""

@@ -158,9 +158,7 @@ def locality_bwd(
     Returns:
         The input gradient `(B, N, H, D)` and the partial sums `(S, B*H, 16, D)`.
     """
-    partials = torch.empty(
-        plan.splits, plan.programs, _PARTIAL_ROWS, plan.head_dim, device=x.device, dtype=torch.float32
-    )
+    partials = plan.partials(_PARTIAL_ROWS, plan.head_dim, device=x.device)
     dx = torch.empty(x.shape, device=x.device, dtype=out_dtype)
     locality_bwd_kernel[(plan.programs, plan.splits)](
         grad,
@@ -169,13 +167,8 @@ def locality_bwd(
         taps if taps is not None else grad,
         dx,
         partials,
-        plan.tokens,
-        plan.text_tokens,
-        plan.n_image,
-        plan.grid_h,
-        plan.grid_w,
-        plan.tiles_per_split,
-        eps,
+        **plan.layout_args(),
+        eps=eps,
         H=plan.heads,
         D=plan.head_dim,
         BLOCK_N=plan.block_n,

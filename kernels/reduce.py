@@ -99,7 +99,7 @@ def combine(partials: torch.Tensor, coef: float = 1.0, base: torch.Tensor | None
 
 def key_stats_fwd(k: torch.Tensor, plan: Plan) -> torch.Tensor:
     """Per-(sample, head, channel) sums of (k - k_0) and (k - k_0)^2 over all tokens: `(B*H, 2, D)`."""
-    partials = torch.empty(plan.splits, plan.programs, 2, plan.head_dim, device=k.device, dtype=torch.float32)
+    partials = plan.partials(2, plan.head_dim, device=k.device)
     key_stats_fwd_kernel[(plan.programs, plan.splits)](
         k,
         partials,
