@@ -26,6 +26,7 @@ from kernels.tiles import (
     mm,
     norm_stats,
     pair_offset,
+    silu_with_grad,
     store_partials,
     tile_tokens,
 )
@@ -92,9 +93,7 @@ def inner_apply_bwd_kernel(
         do = load_rows(do_ptr + row_offset, H * D, tok, offs_d, valid, no_norm, no_norm, False)
         q2_t = tl.trans(q2)
         z1 = mm(q2, load_dd(w_pair, offs_d, D, False, DT), DT)
-        sig = tl.sigmoid(z1)
-        a1 = z1 * sig
-        silu_grad = sig * (1.0 + z1 * (1.0 - sig))
+        _, a1, silu_grad = silu_with_grad(z1)
         if SWIGLU:
             z2 = mm(q2, load_dd(w_pair + D * D, offs_d, D, False, DT), DT)
             da2 = mm(do, load_dd(w_pair + 2 * D * D, offs_d, D, True, DT), DT)
@@ -182,9 +181,7 @@ def inner_step_bwd_kernel(
         v = load_rows(v_ptr + row_offset, H * D, tok, offs_d, valid, mean, rstd, False)
         k2_t = tl.trans(k2)
         z1 = mm(k2, load_dd(w_head, offs_d, D, False, DT), DT)
-        sig = tl.sigmoid(z1)
-        a1 = z1 * sig
-        silu_grad = sig * (1.0 + z1 * (1.0 - sig))
+        sig, a1, silu_grad = silu_with_grad(z1)
         silu_grad2 = sig * (1.0 - sig) * (2.0 + z1 * (1.0 - 2.0 * sig))
         # tangent of the inner forward along U (dots: derivative along U)
         z1_dot = mm(k2, load_dd(u_pair, offs_d, D, False, DT), DT)

@@ -18,7 +18,17 @@ import triton.language as tl
 
 from kernels.launch import LAYOUT_ARGS, Plan
 from kernels.reduce import combine
-from kernels.tiles import conv_tile, image_position, load_rows, mm, norm_stats, pair_offset, store_partials, tile_tokens
+from kernels.tiles import (
+    conv_tile,
+    image_position,
+    load_rows,
+    mm,
+    norm_stats,
+    pair_offset,
+    silu_with_grad,
+    store_partials,
+    tile_tokens,
+)
 
 __all__ = ["error_sign", "inner_apply_fwd", "inner_step_fwd"]
 
@@ -101,9 +111,7 @@ def inner_step_fwd_kernel(
         )  # [BLOCK_N, D], 0 on rows past N
         v = load_rows(v_base, H * D, tok, offs_d, valid, mean, rstd, False)
         z1 = mm(k2, w1, DT)
-        sig = tl.sigmoid(z1)
-        a1 = z1 * sig
-        silu_grad = sig * (1.0 + z1 * (1.0 - sig))
+        _, a1, silu_grad = silu_with_grad(z1)
         k2_t = tl.trans(k2)
         if SWIGLU:
             z2 = mm(k2, w2, DT)

@@ -21,6 +21,7 @@ __all__ = [
     "norm_stats",
     "pair_offset",
     "partial_ptr",
+    "silu_with_grad",
     "store_partials",
     "tile_tokens",
 ]
@@ -35,6 +36,13 @@ def mm(a, b, DT: tl.constexpr):
         return tl.dot(a, b, input_precision="tf32x3")
     else:
         return tl.dot(a.to(DT), b.to(DT))
+
+
+@triton.jit
+def silu_with_grad(z):
+    # (sigmoid(z), silu(z), silu'(z)) elementwise; silu'(z) = sigmoid(z) * (1 + z * (1 - sigmoid(z)))
+    sig = tl.sigmoid(z)
+    return sig, z * sig, sig * (1.0 + z * (1.0 - sig))
 
 
 @triton.jit
