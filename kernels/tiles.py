@@ -1,6 +1,7 @@
 """Triton building blocks shared by the T5 kernels: token coordinates, key-norm statistics, tile loads
 with the fused key norm and 3x3 depthwise locality conv (`t5core.ttt.key_instance_norm` and
-`t5core.ttt.apply_locality`), and the matmul used for every contraction.
+`t5core.ttt.apply_locality`), silu with its derivative, per-split partial stores, and the matmul used
+for every contraction. Kernels call these and Triton inlines them.
 
 Legend: B batch, N tokens, H heads, D head dim, h x w latent grid, T text tokens. A tile is BLOCK_N
 consecutive tokens of one (sample, head) pair: `[BLOCK_N, D]`, fp32 in registers.
