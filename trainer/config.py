@@ -49,9 +49,10 @@ class ModelConfig:
     """Residual depthwise 3x3 convs on image queries and keys."""
     backend: Literal["auto", "torch", "triton"] = "auto"
     """T5 attention backend (`T5_BACKEND` overrides `auto`)."""
-    trainable: Literal["t5", "attention", "all"] = "attention"
+    trainable: Literal["t5", "attention", "all"] = "all"
     """What trains: `t5` = only the new T5 parameters (inherited weights frozen); `attention` = also
-    the inherited projections and q/k norms of the converted modules; `all` = the whole transformer."""
+    the inherited projections and q/k norms of the converted modules; `all` = the whole transformer
+    (the toy preset: the rest of the network adapts to the new attention)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.base), "model.base", "give `toy`, a diffusers folder or a .safetensors checkpoint.")
@@ -83,12 +84,15 @@ class DataConfig:
     pipeline: str = ""
     """`images` / `prompts`: a diffusers pipeline folder whose VAE and text encoders encode the data;
     empty = `--model.base` when that is a pipeline folder."""
-    caption_dropout: float = 0.0
-    """Probability of training a sample on the empty caption's conditioning (keeps guidance working)."""
+    caption_dropout: float = 0.1
+    """Probability of training a sample on the empty caption's conditioning. Sampling with classifier-free
+    guidance runs the model on the empty caption too, so without it the unconditional branch of the
+    converted model is never trained and guided samples degrade (the toy teacher was trained with 0.1)."""
     shard_size: int = 64
     """Samples per cache shard (a safetensors file; preparation resumes shard by shard)."""
-    toy_samples: int = 256
-    """Number of distinct samples of the `toy` source."""
+    toy_samples: int = 100_000
+    """Number of distinct samples of the `toy` source (the default is more than a default run draws, so
+    every batch is fresh, as in the teacher's pretraining; a few hundred make a run cycle and overfit)."""
     generate_steps: int = 28
     """`prompts` source: sampling steps of the frozen softmax model."""
     guidance_scale: float = 4.5
@@ -122,8 +126,9 @@ class LossConfig:
     """Mean of the logit-normal timestep density."""
     logit_std: float = 1.0
     """Std of the logit-normal timestep density."""
-    shift: float = 3.0
-    """Timestep shift: sigma = shift*s / (1 + (shift-1)*s); SD3.5 uses 3.0."""
+    shift: float = 1.0
+    """Timestep shift: sigma = shift*s / (1 + (shift-1)*s); SD3.5 uses 3.0 (at 1024 px), the 32 px toy 1.0
+    (its teacher was pretrained and is sampled without a shift)."""
     weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
     """Per-sample loss weighting of the flow-matching loss (diffusers' SD3 schemes)."""
 
@@ -151,8 +156,8 @@ class OptimConfig:
     """Base learning rate."""
     new_lr_mult: float = 10.0
     """Multiplier of `lr` for the new T5 parameters (DiT5 uses 10)."""
-    inherited_lr_mult: float = 0.1
-    """Multiplier of `lr` for trained inherited weights (DiT5 uses 0.1); 0 freezes them."""
+    inherited_lr_mult: float = 1.0
+    """Multiplier of `lr` for trained inherited weights (DiT5 uses 0.1; the short toy preset 1.0); 0 freezes them."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     beta1: float = 0.9
@@ -163,7 +168,7 @@ class OptimConfig:
     """AdamW eps."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 = no clipping)."""
-    warmup_steps: int = 0
+    warmup_steps: int = 20
     """Linear warm-up steps."""
     schedule: Literal["constant", "cosine"] = "constant"
     """Learning-rate schedule after warm-up."""
@@ -182,9 +187,9 @@ class OptimConfig:
 class TrainingConfig:
     """Batch, length, precision and seeding of the run."""
 
-    batch_size: int = 8
+    batch_size: int = 32
     """Global batch size (split evenly across processes)."""
-    steps: int = 200
+    steps: int = 400
     """Optimizer steps."""
     max_minutes: float = 0.0
     """Wall-clock budget in minutes (0 = none); the run stops, checkpoints and exports when it is spent."""
@@ -194,9 +199,10 @@ class TrainingConfig:
     """`bf16` = bf16 autocast with fp32 trained weights (frozen weights stored in bf16); `fp32` = full precision."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block in the backward pass (less memory, about 30% more compute)."""
-    threads: int = 1
-    """CPU threads per process for torch ops during the run (0 = torch's default). One thread avoids
-    the oversubscription that makes a shared or multi-process CPU run many times slower."""
+    threads: int = 2
+    """CPU threads per process for torch ops during the run (0 = torch's default). A few threads avoid
+    the oversubscription that makes a shared or multi-process CPU run many times slower; use 1 per
+    process when several processes share a small CPU."""
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, "training.batch_size", "must be at least 1.")
