@@ -86,6 +86,8 @@ def peak_memory_mib(path: str, n: int, args: argparse.Namespace) -> float:
         str(args.head_dim),
         "--dtype",
         args.dtype,
+        "--threads",
+        str(args.threads),
     ]
     return float(subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip())
 
@@ -122,8 +124,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     parser.add_argument("--measure-memory", choices=PATHS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.measure_memory:
         measure_memory_here(args.measure_memory, args)
         return
@@ -131,7 +136,7 @@ def main() -> None:
     print(header_line())
     print(
         f"T5Attention (torch path) vs SDPA | B=1, {args.heads} heads x {args.head_dim}, {args.dtype}, "
-        "image grid, no text"
+        f"image grid, no text, {torch.get_num_threads()} threads"
     )
     print(
         f"{'N':>6} {'sdpa ms':>10} {'t5 ms':>10} {'t5/sdpa':>8} {'sdpa x':>7} {'t5 x':>6} {'sdpa MiB':>9} {'t5 MiB':>8}"
@@ -165,7 +170,13 @@ def main() -> None:
     path = write_json(
         f"attention_{args.device}",
         rows,
-        {"heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype, "batch": 1},
+        {
+            "heads": args.heads,
+            "head_dim": args.head_dim,
+            "dtype": args.dtype,
+            "batch": 1,
+            "threads": torch.get_num_threads(),
+        },
     )
     print(f"wrote {path}")
 
