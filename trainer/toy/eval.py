@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from trainer.losses import add_noise
 from trainer.toy.data import (
     COLORS,
     IMAGE_SIZE,
@@ -230,8 +231,7 @@ def flow_matching_loss(model, latents: Tensor, context: Tensor, pooled: Tensor, 
         The scalar mean squared error (float32).
     """
     dtype = next(model.parameters()).dtype
-    s = sigma.view(-1, 1, 1, 1)
-    noisy = (1 - s) * latents + s * noise
+    noisy = add_noise(latents, noise, sigma)
     pred = model(
         hidden_states=noisy.to(dtype),
         encoder_hidden_states=context.to(dtype),
