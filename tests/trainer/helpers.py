@@ -33,6 +33,16 @@ TINY_SD35 = dict(
 """The trainer's tiny SD3.5-Medium-like config: patch 2, 16 channels, attn2 on block 0, q/k RMSNorm,
 a last `context_pre_only` block."""
 TEXT_TOKENS = 7
+RECIPE_FLAGS: tuple[str, ...] = (
+    "--model.trainable", "attention",
+    "--optim.inherited_lr_mult", "0.1",
+    "--optim.warmup_steps", "0",
+    "--data.caption_dropout", "0",
+    "--loss.shift", "3.0",
+    "--training.threads", "1",
+)  # fmt: skip
+"""The step-level recipe the trainer tests assert on (full lr from step 1, no caption dropout, one thread
+per process), pinned so the toy preset's defaults (warm-up, caption dropout, 2 threads) can change freely."""
 
 
 def tiny_transformer(seed: int = 0):

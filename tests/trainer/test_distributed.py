@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.helpers import write_base, write_cache
+from tests.trainer.helpers import RECIPE_FLAGS, write_base, write_cache
 from trainer.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +37,7 @@ def _flags(inputs: dict[str, Path], out: Path, *extra: str) -> list[str]:
         "--optim.lr", "1e-3",
         "--output.dir", str(out),
         "--output.progress", "false",
+        *RECIPE_FLAGS,
         *extra,
     ]  # fmt: skip
 

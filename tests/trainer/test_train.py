@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from t5core.hosts.diffusers import linearize
-from tests.trainer.helpers import write_base, write_cache
+from tests.trainer.helpers import RECIPE_FLAGS, write_base, write_cache
 from trainer.cli import parse_args
 from trainer.distributed import seed_everything
 from trainer.losses import add_noise
@@ -37,6 +37,7 @@ def config_for(inputs, out, *flags, data="cache"):
             "--training.batch_size", "4",
             "--output.dir", str(out),
             "--output.progress", "false",
+            *RECIPE_FLAGS,
             *flags,
         ]
     )  # fmt: skip
