@@ -189,7 +189,7 @@ class TrainingConfig:
 
     batch_size: int = 32
     """Global batch size (split evenly across processes)."""
-    steps: int = 400
+    steps: int = 600
     """Optimizer steps."""
     max_minutes: float = 0.0
     """Wall-clock budget in minutes (0 = none); the run stops, checkpoints and exports when it is spent."""
