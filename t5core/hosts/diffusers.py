@@ -243,10 +243,15 @@ def linearize(
 
     Raises:
         TypeError: not an SD3-family diffusers transformer.
-        ValueError: a bad layer spec or setting.
+        ValueError: a bad layer spec or setting, or a transformer that is already converted.
         T5WeightsError: a weights file that does not fit the model or the request.
     """
     arch = arch_of(transformer)
+    if any(isinstance(p, T5AttnProcessor) for p in transformer.attn_processors.values()):
+        raise ValueError(
+            "this transformer is already converted to T5 attention; call .remove() on its handle "
+            "first, or convert a fresh model."
+        )
     if not inplace:
         transformer = copy.deepcopy(transformer)
     if weights is not None:

@@ -195,6 +195,17 @@ def test_base_tensors_that_do_not_fit_are_refused_before_anything_changes(tmp_pa
     assert torch.equal(run(model), before)
 
 
+def test_converting_twice_is_refused_and_undo_then_convert_works():
+    model = tiny_transformer()
+    before = run(model)
+    handle = linearize(model, "attn2:0")
+    with pytest.raises(ValueError, match="already converted to T5 attention"):
+        linearize(model, "all")
+    handle.remove()
+    linearize(model, "all").remove()
+    assert torch.equal(run(model), before)
+
+
 def test_not_an_sd3_model_is_refused():
     with pytest.raises(TypeError, match="expected a diffusers SD3Transformer2DModel.*got Linear"):
         linearize(torch.nn.Linear(2, 2))
