@@ -48,9 +48,9 @@ class T5AttnProcessor(nn.Module):
         super().__init__()
         self.t5 = t5
 
-    def _heads(self, attn: nn.Module, x: Tensor, proj: str, norm: str) -> Tensor:
+    def _heads(self, attn: nn.Module, x: Tensor, proj: str, norm: str | None = None) -> Tensor:
         out = getattr(attn, proj)(x).unflatten(-1, (attn.heads, -1))
-        norm_module = getattr(attn, norm, None)
+        norm_module = getattr(attn, norm) if norm else None
         return out if norm_module is None else norm_module(out)
 
     def __call__(
@@ -65,13 +65,13 @@ class T5AttnProcessor(nn.Module):
             raise ValueError("T5 attention takes no attention mask; SD3 sampling does not use one.")
         q = self._heads(attn, hidden_states, "to_q", "norm_q")
         k = self._heads(attn, hidden_states, "to_k", "norm_k")
-        v = self._heads(attn, hidden_states, "to_v", "")
+        v = self._heads(attn, hidden_states, "to_v")
         text_tokens = 0
         if encoder_hidden_states is not None:
             text_tokens = encoder_hidden_states.shape[1]
             q = torch.cat([q, self._heads(attn, encoder_hidden_states, "add_q_proj", "norm_added_q")], dim=1)
             k = torch.cat([k, self._heads(attn, encoder_hidden_states, "add_k_proj", "norm_added_k")], dim=1)
-            v = torch.cat([v, self._heads(attn, encoder_hidden_states, "add_v_proj", "")], dim=1)
+            v = torch.cat([v, self._heads(attn, encoder_hidden_states, "add_v_proj")], dim=1)
         out = self.t5(q, k, v, grid=t5_grid, text_tokens=text_tokens, text_first=False).flatten(2)
         image = attn.to_out[1](attn.to_out[0](out[:, : hidden_states.shape[1]]))
         if encoder_hidden_states is None:
@@ -247,13 +247,14 @@ def linearize(
         T5WeightsError: a weights file that does not fit the model or the request.
     """
     arch = arch_of(transformer)
-    if any(isinstance(p, T5AttnProcessor) for p in transformer.attn_processors.values()):
+    if not inplace:
+        transformer = copy.deepcopy(transformer)
+    original = transformer.attn_processors
+    if any(isinstance(p, T5AttnProcessor) for p in original.values()):
         raise ValueError(
             "this transformer is already converted to T5 attention; call .remove() on its handle "
             "first, or convert a fresh model."
         )
-    if not inplace:
-        transformer = copy.deepcopy(transformer)
     if weights is not None:
         weights = weights if isinstance(weights, T5Weights) else load(weights)
         if variant is not None and variant != weights.config.variant:
@@ -272,7 +273,6 @@ def linearize(
     for module in modules.values():
         module.to(device=reference.device)
 
-    original = transformer.attn_processors
     processors = dict(original)
     for name, module in modules.items():
         processors[_diffusers_path(name) + ".processor"] = T5AttnProcessor(module)
