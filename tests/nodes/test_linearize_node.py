@@ -187,8 +187,10 @@ def test_comfyui_reads_the_pack_metadata_from_pyproject(comfy):
 def test_the_pack_root_exports_only_comfyuis_entry_point(comfy):
     import sys
 
-    root = sys.modules[str(comfy_env.REPO_ROOT)]  # the name ComfyUI's loader gives a pack folder
+    # ComfyUI's loader names a pack folder after its path, with every "." replaced by "_x_".
+    name = str(comfy_env.REPO_ROOT).replace(".", "_x_")
+    root = sys.modules[name]
     assert root.__all__ == ["comfy_entrypoint"]
-    assert root.comfy_entrypoint is sys.modules[f"{comfy_env.REPO_ROOT}.nodes"].comfy_entrypoint
-    linearize = sys.modules[f"{comfy_env.REPO_ROOT}.nodes.linearize"]
+    assert root.comfy_entrypoint is sys.modules[f"{name}.nodes"].comfy_entrypoint
+    linearize = sys.modules[f"{name}.nodes.linearize"]
     assert sorted(linearize.__all__) == ["FOLDER", "T5Linearize", "T5LinearizeExtension"]
