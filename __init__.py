@@ -1,5 +1,11 @@
-"""ComfyUI entry point of the T5 Linearize node pack: ComfyUI loads this folder from `custom_nodes/`."""
+"""ComfyUI entry point of the T5 Linearize node pack: ComfyUI loads this folder from `custom_nodes/`.
 
-from .nodes import comfy_entrypoint
+ComfyUI imports this file as a package. A tool that imports it as a lone module, as pytest does when
+the checkout's folder name is not a Python identifier (`comfyui-t5-linearize`), has no package to
+import from, and gets nothing.
+"""
 
-__all__ = ["comfy_entrypoint"]
+if __package__:
+    from .nodes import comfy_entrypoint
+
+    __all__ = ["comfy_entrypoint"]
