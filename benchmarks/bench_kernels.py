@@ -33,13 +33,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kernels  # noqa: E402
-from benchmarks.timing import header_line, time_fn, write_json  # noqa: E402
+import t5kernels  # noqa: E402
+from benchmarks.timing import RESULTS_DIR, header_line, time_fn, write_json  # noqa: E402
 from t5core import T5Attention  # noqa: E402
 from t5core.ttt import t5_attention_ref  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# Relative RMS error allowed against the fp32 reference (as in tests/kernels): MMA operands are
+# Relative RMS error allowed against the fp32 reference (as in tests/t5kernels): MMA operands are
 # rounded to the input dtype.
 RATIO = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 # Through 24 blocks in bf16 the two backends' rounding differences compound; this only catches
@@ -151,7 +151,7 @@ def attention_row(side_h: int, side_w: int, args: argparse.Namespace) -> dict:
     case = AttentionCase(side_h, side_w, args)
     row: dict = {"grid": f"{side_h}x{side_w}", "tokens": case.tokens, "status": "ok"}
     paths = ["sdpa", "torch"]
-    reason = kernels.unsupported_reason(case.q, variant=case.module.variant)
+    reason = t5kernels.unsupported_reason(case.q, variant=case.module.variant)
     if reason is None:
         ref = case.reference()
         with torch.no_grad():
@@ -196,7 +196,7 @@ def model_rows(args: argparse.Namespace) -> list[dict]:
         model = SD3Transformer2DModel(**config).to(dtype).eval()
     heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
     probe = torch.empty(1, 1, heads, head_dim, device=args.device, dtype=dtype)
-    reason = kernels.unsupported_reason(probe, variant="swiglu")
+    reason = t5kernels.unsupported_reason(probe, variant="swiglu")
     backends = ["torch"] + (["triton"] if reason is None else [])
     rows = []
     for resolution in args.model_res:
@@ -306,6 +306,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model-step", action="store_true", help="also time the whole transformer step")
     parser.add_argument("--model-res", type=int, nargs="+", help="pixel resolutions (default: 1024 2048 on CUDA)")
     parser.add_argument("--peak-gbs", type=float, help="HBM peak in GB/s (default: from a table of GPUs)")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON goes")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     args.grids = args.grids or (["64x64", "128x128"] if cuda else ["16x16", "32x32"])
@@ -342,9 +343,11 @@ def main() -> None:
             print(f"Whole transformer step ({name}, random weights, batch {args.batch}, no grad)")
             model = model_rows(args)
             print_model(model)
-    meta = {key: value for key, value in vars(args).items()}
+    meta = {key: value for key, value in vars(args).items() if key != "results_dir"}
     meta.update({"peak_gbs": peak, "copy_gbs": copy})
-    path = write_json(f"kernels_{args.device}", rows + [{"model": row} for row in model], meta)
+    path = write_json(
+        f"kernels_{args.device}", rows + [{"model": row} for row in model], meta, directory=args.results_dir
+    )
     print(f"wrote {path}")
 
 

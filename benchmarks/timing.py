@@ -106,18 +106,21 @@ def header_line() -> str:
     return " | ".join(f"{key}: {value}" for key, value in environment().items())
 
 
-def write_json(name: str, rows: list[dict[str, Any]], meta: dict[str, Any] | None = None) -> Path:
-    """Write `{"meta": ..., "rows": ...}` to `benchmarks/results/<name>.json` atomically.
+def write_json(
+    name: str, rows: list[dict[str, Any]], meta: dict[str, Any] | None = None, *, directory: Path = RESULTS_DIR
+) -> Path:
+    """Write `{"meta": ..., "rows": ...}` to `<directory>/<name>.json` (default `benchmarks/results/`)
+    atomically.
 
     `meta` is merged over `environment()`, so every file records where it was measured.
 
     Returns:
         The path written.
     """
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
     payload = {"meta": {**environment(), **(meta or {})}, "rows": rows}
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=RESULTS_DIR)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
     umask = os.umask(0)
     os.umask(umask)
     try:

@@ -119,7 +119,7 @@ class T5Attention(nn.Module):
             key_norm_eps=self.key_norm_eps,
         )
         if resolve_backend(self.backend, q, variant=self.variant) == "triton":
-            from kernels import t5_attention
+            from t5kernels import t5_attention
 
             return t5_attention(q, k, v, **arguments)
         return t5_attention_ref(q, k, v, **arguments)

@@ -1,6 +1,6 @@
 """Backend choice for T5 attention, made in one place and reported.
 
-`"torch"` runs `t5core.ttt.t5_attention_ref`; `"triton"` runs the fused kernels of the `kernels`
+`"torch"` runs `t5core.ttt.t5_attention_ref`; `"triton"` runs the fused kernels of the `t5kernels`
 package; `"auto"` picks Triton for CUDA tensors when the kernels support the call, else torch, and
 logs once per reason which path runs. The environment variable `T5_BACKEND` overrides `"auto"`.
 """
@@ -27,9 +27,9 @@ ENV_VAR = "T5_BACKEND"
 
 @functools.cache
 def _kernels() -> ModuleType | str:
-    """The `kernels` package, or the reason it cannot be imported."""
+    """The `t5kernels` package, or the reason it cannot be imported."""
     try:
-        return importlib.import_module("kernels")
+        return importlib.import_module("t5kernels")
     except ImportError as error:
         return f"the Triton kernels are unavailable ({error}); install them with `pip install triton`"
 
@@ -59,8 +59,8 @@ def resolve_backend(requested: str, q: Tensor, *, variant: str) -> Literal["torc
         raise ValueError(f"backend must be one of {BACKENDS}; got {requested!r}.")
     if requested == "torch":
         return "torch"
-    kernels = _kernels()
-    reason = kernels if isinstance(kernels, str) else kernels.unsupported_reason(q, variant=variant)
+    package = _kernels()
+    reason = package if isinstance(package, str) else package.unsupported_reason(q, variant=variant)
     if requested == "triton":
         if reason is not None:
             raise RuntimeError(

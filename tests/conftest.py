@@ -4,7 +4,7 @@ Without CUDA the Triton kernels are tested under Triton's CPU interpreter, and T
 interpreted vs compiled for every `@triton.jit` function, its own `triton.language` helpers
 included, when that function is defined. Other code imports Triton too (torch, diffusers, ComfyUI),
 so this file imports it first, with `TRITON_INTERPRET=1`, and then restores the variable: the
-kernel tests set it again per test (tests/kernels/conftest.py), every other test keeps the torch path.
+kernel tests set it again per test (tests/t5kernels/conftest.py), every other test keeps the torch path.
 """
 
 import os

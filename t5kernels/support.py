@@ -1,7 +1,7 @@
 """What the fused kernels can run, decided without launching anything (imports only torch, and
 triton when it is installed).
 
-`TRITON_INTERPRET=1` must be set before `kernels` is imported: Triton decides at decoration time
+`TRITON_INTERPRET=1` must be set before `t5kernels` is imported: Triton decides at decoration time
 whether a kernel is compiled for the GPU or run by its CPU interpreter. CPU tensors are accepted
 only when the kernels were decorated for the interpreter *and* the variable is still set, so a
 test process can import the interpreted kernels once and switch CPU dispatch on and off.
@@ -58,7 +58,7 @@ def unsupported_reason(q: torch.Tensor, *, variant: str) -> str | None:
     if q.device.type != "cuda":
         if not INTERPRETED and interpret_requested():
             return (
-                f"q is on {q.device.type} and TRITON_INTERPRET=1 was set after `kernels` was imported; "
+                f"q is on {q.device.type} and TRITON_INTERPRET=1 was set after `t5kernels` was imported; "
                 "set it before the import"
             )
         if not (INTERPRETED and interpret_requested()):
@@ -76,7 +76,7 @@ def unsupported_reason(q: torch.Tensor, *, variant: str) -> str | None:
 
 
 def t5_attention_unavailable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
-    """Stands in for `kernels.t5_attention` when triton is missing: always raises.
+    """Stands in for `t5kernels.t5_attention` when triton is missing: always raises.
 
     Raises:
         RuntimeError: naming the missing package and its install line.

@@ -1,10 +1,10 @@
 """Fixtures for the kernel tests: where the kernels run, and NaN-poisoned allocations.
 
-Triton decides at decoration time (when `kernels` is imported) whether kernels are compiled for
-the GPU or run by its CPU interpreter. Without CUDA, this file imports `kernels` with
+Triton decides at decoration time (when `t5kernels` is imported) whether kernels are compiled for
+the GPU or run by its CPU interpreter. Without CUDA, this file imports `t5kernels` with
 `TRITON_INTERPRET=1` and then restores the variable, so the rest of the test process (hosts,
 trainer) still dispatches CPU tensors to the torch path. The `device` fixture sets the variable
-again for each kernel test, which is what `kernels.unsupported_reason` checks at call time. With
+again for each kernel test, which is what `t5kernels.unsupported_reason` checks at call time. With
 CUDA, the kernels are compiled and the same cases run on the GPU.
 """
 
@@ -22,12 +22,12 @@ _ENV = "TRITON_INTERPRET"
 
 
 def _import_kernels_for_interpreter() -> None:
-    if _CUDA or "kernels" in sys.modules:
+    if _CUDA or "t5kernels" in sys.modules:
         return
     previous = os.environ.get(_ENV)
     os.environ[_ENV] = "1"
     try:
-        import kernels  # noqa: F401
+        import t5kernels  # noqa: F401
     finally:
         if previous is None:
             del os.environ[_ENV]
@@ -37,7 +37,7 @@ def _import_kernels_for_interpreter() -> None:
 
 _import_kernels_for_interpreter()
 
-from kernels import support  # noqa: E402
+from t5kernels import support  # noqa: E402
 
 
 @pytest.fixture
@@ -49,8 +49,8 @@ def device(monkeypatch: pytest.MonkeyPatch) -> torch.device:
         pytest.skip("triton is not installed")
     if not support.INTERPRETED:
         pytest.skip(
-            "`kernels` was imported before tests/kernels/conftest.py could set TRITON_INTERPRET=1; "
-            "run tests/kernels in its own pytest process"
+            "`t5kernels` was imported before tests/t5kernels/conftest.py could set TRITON_INTERPRET=1; "
+            "run tests/t5kernels in its own pytest process"
         )
     monkeypatch.setenv(_ENV, "1")
     return torch.device("cpu")

@@ -21,7 +21,7 @@ LAYOUT_ARGS = ["n_tokens", "text_tokens", "n_image", "grid_h", "grid_w", "tiles_
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 # CUDA launch settings, chosen from ptxas register / spill / shared-memory reports for sm_90 at
-# D = 64 (kernels/README.md, "Launch settings") and still to be swept on a GPU. Reduction kernels
+# D = 64 (t5kernels/README.md, "Launch settings") and still to be swept on a GPU. Reduction kernels
 # loop over a token range with D x D fp32 accumulators: 8 warps spread them over more registers,
 # and one pipeline stage keeps the backward's operand buffers within shared memory (3 stages need
 # 209 KB there, 1 needs 40 KB). fp32 inputs use 3xTF32 MMAs with larger operands, hence the

@@ -1,6 +1,6 @@
 """Backward passes of the inner model: through `t5core.ttt.inner_apply` (queries and W') and
 through `t5core.ttt.inner_step` (keys, values and the initial W). The derivation is in
-kernels/README.md ("Backward").
+t5kernels/README.md ("Backward").
 
 Legend: B batch, N tokens, H heads, D head dim, h x w latent grid, T text tokens, S token splits,
 P = B*H, NW fast weights. U = dLoss/dW' `(P, NW, D, D)`. The inner-step backward is the
@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fwd import error_sign
-from kernels.launch import LAYOUT_ARGS, Plan
-from kernels.reduce import combine
-from kernels.tiles import (
+from t5kernels.fwd import error_sign
+from t5kernels.launch import LAYOUT_ARGS, Plan
+from t5kernels.reduce import combine
+from t5kernels.tiles import (
     conv_tile,
     image_position,
     load_dd,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import t5_attention
+from t5kernels import t5_attention
 from t5core.ttt import t5_attention_ref
-from tests.kernels.testing import Case, assert_close, make_leaves, run
+from tests.t5kernels.testing import Case, assert_close, make_leaves, run
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (SD3.5 shapes, bf16 MMA)")

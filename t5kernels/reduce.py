@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import Plan
-from kernels.tiles import pair_offset, partial_ptr, tile_tokens
+from t5kernels.launch import Plan
+from t5kernels.tiles import pair_offset, partial_ptr, tile_tokens
 
 __all__ = ["combine", "key_stats_fwd"]
 

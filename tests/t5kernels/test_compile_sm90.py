@@ -1,6 +1,6 @@
 """The kernels compile for Hopper (sm_90) with the settings the launch plan uses and fit its
 shared memory per block. The interpreter shows neither, so this compiles ahead of time (no GPU
-needed; Triton's bundled ptxas) in a subprocess where `kernels` is not interpreted."""
+needed; Triton's bundled ptxas) in a subprocess where `t5kernels` is not interpreted."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def compiled() -> dict[str, int]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     result = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.compile_sm90"], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "tests.t5kernels.compile_sm90"], cwd=ROOT, env=env, capture_output=True, text=True
     )
     if result.returncode != 0 and "ptxas" in result.stderr and "not found" in result.stderr.lower():
         pytest.skip("Triton's ptxas is unavailable here")

@@ -1,8 +1,8 @@
 """Compile the heavy kernels for Hopper (sm_90) ahead of time, without a GPU, with the launch
-settings `kernels.launch.cuda_settings` gives them, and print one JSON line per kernel with its
-shared memory. Run in a process where `kernels` is compiled, not interpreted:
+settings `t5kernels.launch.cuda_settings` gives them, and print one JSON line per kernel with its
+shared memory. Run in a process where `t5kernels` is compiled, not interpreted:
 
-    python -m tests.kernels.compile_sm90
+    python -m tests.t5kernels.compile_sm90
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import bwd, fwd
-from kernels.launch import cuda_settings
+from t5kernels import bwd, fwd
+from t5kernels.launch import cuda_settings
 
 _FLOAT_ARGS = {"eps", "coef", "dk_scale", "dv_scale"}
 _TL = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}

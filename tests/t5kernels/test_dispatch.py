@@ -1,5 +1,5 @@
-"""Dispatch between the torch path and the kernels, what the kernels refuse, and the import
-contract of the `kernels` package."""
+"""Dispatch between the torch path and the t5kernels, what the kernels refuse, and the import
+contract of the `t5kernels` package."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-import kernels
-from kernels import support
+import t5kernels
+from t5kernels import support
 from t5core import T5Attention, backend
 from t5core.ttt import t5_attention_ref
-from tests.kernels.testing import assert_close
+from tests.t5kernels.testing import assert_close
 
 H, D, GRID, TEXT = 2, 16, (3, 5), 4
 
@@ -34,15 +34,15 @@ def qkv() -> tuple[torch.Tensor, ...]:
 
 @pytest.fixture
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record calls of `kernels.t5_attention` (still running it) as T5Attention makes them."""
+    """Record calls of `t5kernels.t5_attention` (still running it) as T5Attention makes them."""
     calls: list[str] = []
-    real = kernels.t5_attention
+    real = t5kernels.t5_attention
 
     def spy(*args, **kwargs):
         calls.append("triton")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "t5_attention", spy)
+    monkeypatch.setattr(t5kernels, "t5_attention", spy)
     monkeypatch.delenv("T5_BACKEND", raising=False)
     backend._log_once.cache_clear()
     return calls
@@ -196,12 +196,12 @@ def test_bad_input_raises_a_clear_error(overrides, k_dtype, error, match, device
         for name, value in _call_kwargs(**overrides).items()
     }
     with pytest.raises(error, match=match):
-        kernels.t5_attention(q, k, q, **kwargs)
+        t5kernels.t5_attention(q, k, q, **kwargs)
 
 
 def test_kernels_api_is_exact():
-    assert kernels.__all__ == ["t5_attention", "unsupported_reason"]
-    assert kernels.unsupported_reason is support.unsupported_reason
+    assert t5kernels.__all__ == ["t5_attention", "unsupported_reason"]
+    assert t5kernels.unsupported_reason is support.unsupported_reason
 
 
 def _python(code: str) -> str:
@@ -211,10 +211,10 @@ def _python(code: str) -> str:
 def test_kernels_import_cleanly_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, kernels\n"
-        "print(kernels.unsupported_reason(torch.zeros(1, 4, 2, 16), variant='swiglu'))\n"
+        "import torch, t5kernels\n"
+        "print(t5kernels.unsupported_reason(torch.zeros(1, 4, 2, 16), variant='swiglu'))\n"
         "try:\n"
-        "    kernels.t5_attention(*(torch.zeros(1, 4, 2, 16),) * 3, weights=())\n"
+        "    t5kernels.t5_attention(*(torch.zeros(1, 4, 2, 16),) * 3, weights=())\n"
         "except RuntimeError as error:\n"
         "    print(error)\n"
     )
@@ -225,7 +225,23 @@ def test_kernels_import_cleanly_without_triton():
 
 def test_kernels_import_only_torch_and_triton():
     code = (
-        "import sys, kernels\n"
+        "import sys, t5kernels\n"
         "print(sorted(m for m in ('t5core', 'comfy', 'diffusers', 'trainer', 'nodes') if m in sys.modules))"
     )
     assert _python(code) == "[]"
+
+
+def test_a_foreign_kernels_package_does_not_shadow_ours(tmp_path):
+    """Hugging Face's `kernels` distribution (used by diffusers and transformers for hub kernels)
+    installs a top-level `kernels` package; ours is `t5kernels`, so T5Attention still dispatches."""
+    foreign = tmp_path / "kernels"
+    foreign.mkdir()
+    (foreign / "__init__.py").write_text("FOREIGN = True\n")
+    code = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import kernels, torch\n"
+        "from t5core import T5Attention\n"
+        "out = T5Attention(2, 16)(*(torch.randn(1, 12, 2, 16),) * 3, grid=(3, 4))\n"
+        "print(kernels.FOREIGN, tuple(out.shape))"
+    )
+    assert _python(code) == "True (1, 12, 2, 16)"

@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import LAYOUT_ARGS, Plan
-from kernels.reduce import combine
-from kernels.tiles import (
+from t5kernels.launch import LAYOUT_ARGS, Plan
+from t5kernels.reduce import combine
+from t5kernels.tiles import (
     conv_tile,
     image_position,
     load_rows,

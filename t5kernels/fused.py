@@ -3,7 +3,7 @@
 Legend: B batch, N tokens, H heads, D head dim, h x w latent grid, T text tokens, NW fast weights.
 Forward: key statistics -> inner step (split over tokens, fixed-order combine) -> apply pass.
 Backward: apply-pass backward -> inner-step backward -> conv / key-norm backward. Every pass is a
-Triton kernel; torch only allocates, reshapes parameters and casts (kernels/README.md).
+Triton kernel; torch only allocates, reshapes parameters and casts (t5kernels/README.md).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.bwd import inner_apply_bwd, inner_step_bwd
-from kernels.fwd import inner_apply_fwd, inner_step_fwd
-from kernels.launch import make_plan
-from kernels.locality_bwd import conv_param_grads, key_norm_bwd, locality_bwd
-from kernels.reduce import key_stats_fwd
-from kernels.support import unsupported_reason
+from t5kernels.bwd import inner_apply_bwd, inner_step_bwd
+from t5kernels.fwd import inner_apply_fwd, inner_step_fwd
+from t5kernels.launch import make_plan
+from t5kernels.locality_bwd import conv_param_grads, key_norm_bwd, locality_bwd
+from t5kernels.reduce import key_stats_fwd
+from t5kernels.support import unsupported_reason
 
 __all__ = ["T5AttentionFunction", "t5_attention"]
 
@@ -172,7 +172,7 @@ def t5_attention(
         `(B, N, H, D)` in q's dtype.
 
     Raises:
-        RuntimeError: the kernels cannot run this call (`kernels.unsupported_reason` says why).
+        RuntimeError: the kernels cannot run this call (`t5kernels.unsupported_reason` says why).
         ValueError: inconsistent shapes, dtypes, grid or text length.
     """
     reason = unsupported_reason(q, variant=variant)
