@@ -15,7 +15,7 @@ from torch import Tensor
 
 from t5kernels.bwd import inner_apply_bwd, inner_step_bwd
 from t5kernels.fwd import inner_apply_fwd, inner_step_fwd
-from t5kernels.launch import make_plan
+from t5kernels.launch import LaunchSettings, Plan, make_plan
 from t5kernels.locality_bwd import conv_param_grads, key_norm_bwd, locality_bwd
 from t5kernels.reduce import key_stats_fwd
 from t5kernels.support import unsupported_reason
@@ -32,6 +32,13 @@ class _Layout:
     text_tokens: int
     text_first: bool
     key_norm_eps: float | None
+    launch: LaunchSettings | None
+
+    def plan(self, q: Tensor, phase: str) -> Plan:
+        """The launch plan of `phase` ("fwd" or "bwd") for queries `q`."""
+        return make_plan(
+            q, grid=self.grid, text_tokens=self.text_tokens, text_first=self.text_first, phase=phase, settings=self.launch
+        )
 
 
 def _taps(weight: Tensor, bias: Tensor | None, heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
@@ -49,7 +56,7 @@ class T5AttentionFunction(torch.autograd.Function):
     def forward(ctx, layout: _Layout, q, k, v, q_weight, q_bias, k_weight, k_bias, *weights):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         heads, head_dim = q.shape[2], q.shape[3]
-        plan = make_plan(q, grid=layout.grid, text_tokens=layout.text_tokens, text_first=layout.text_first, phase="fwd")
+        plan = layout.plan(q, "fwd")
         fast_init = torch.stack([w.detach().float() for w in weights], dim=1).contiguous()  # (H, NW, D, D)
         q_conv = _taps(q_weight, q_bias, heads, head_dim) if q_weight is not None else None
         k_conv = _taps(k_weight, k_bias, heads, head_dim) if k_weight is not None else None
@@ -68,7 +75,7 @@ class T5AttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, fast_init, fast, stats, q_taps, q_bias, k_taps, k_bias = ctx.saved_tensors
         layout: _Layout = ctx.layout
-        plan = make_plan(q, grid=layout.grid, text_tokens=layout.text_tokens, text_first=layout.text_first, phase="bwd")
+        plan = layout.plan(q, "bwd")
         eps = layout.key_norm_eps or 0.0
         q_conv = (q_taps, q_bias) if q_taps is not None else None
         k_conv = (k_taps, k_bias) if k_taps is not None else None
@@ -152,6 +159,7 @@ def t5_attention(
     text_tokens: int = 0,
     text_first: bool = True,
     key_norm_eps: float | None = 1.0,
+    launch: LaunchSettings | None = None,
 ) -> Tensor:
     """T5 attention with the fused Triton kernels; same contract and results as
     `t5core.ttt.t5_attention_ref`, differentiable with respect to every tensor argument.
@@ -167,6 +175,8 @@ def t5_attention(
         text_tokens (`int`, *optional*, defaults to 0): text tokens in the sequence.
         text_first (`bool`, *optional*, defaults to True): text before or after the image tokens.
         key_norm_eps (`float`, *optional*, defaults to 1.0): key instance-norm eps; None disables it.
+        launch (`LaunchSettings`, *optional*): launch settings for the forward and the backward
+            instead of the defaults (for tuning: `benchmarks/sweep_kernels.py`).
 
     Returns:
         `(B, N, H, D)` in q's dtype.
@@ -179,9 +189,8 @@ def t5_attention(
     if reason is not None:
         raise RuntimeError(f"the T5 Triton kernels cannot run this call: {reason}. Use t5core.ttt.t5_attention_ref.")
     _check(q, k, v, weights, variant, q_conv, k_conv, grid, text_tokens)
-    layout = _Layout(
-        variant, None if grid is None else (int(grid[0]), int(grid[1])), text_tokens, text_first, key_norm_eps
-    )
+    grid = None if grid is None else (int(grid[0]), int(grid[1]))
+    layout = _Layout(variant, grid, text_tokens, text_first, key_norm_eps, launch)
     q_weight, q_bias = q_conv if q_conv is not None else (None, None)
     k_weight, k_bias = k_conv if k_conv is not None else (None, None)
     return T5AttentionFunction.apply(layout, q, k, v, q_weight, q_bias, k_weight, k_bias, *weights)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["LAYOUT_ARGS", "Plan", "cuda_settings", "make_plan"]
+__all__ = ["LAYOUT_ARGS", "LaunchSettings", "Plan", "cuda_settings", "make_plan"]
 
 # Runtime ints of the token layout: never specialised, so a new resolution or text length reuses
 # the compiled kernels.
@@ -42,6 +42,42 @@ _SPLITS_INTERPRETER = 2
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """How the kernels are launched on a GPU. `cuda_settings` gives the defaults;
+    `benchmarks/sweep_kernels.py` times others through `t5_attention(..., launch=...)`.
+
+    Attributes:
+        block_n: tokens per tile of the reduction kernels (power of two, >= 16 for the MMAs).
+        map_block_n: tokens per tile of the per-token map kernels (power of two, >= 16).
+        num_warps: warps per program (1, 2, 4, 8 or 16).
+        num_stages: software-pipeline stages of the reduction kernels' token loops (>= 1).
+        programs_per_sm: the token split aims for this many reduction programs per SM (>= 1).
+    """
+
+    block_n: int
+    map_block_n: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int = _PROGRAMS_PER_SM
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "map_block_n"):
+            value = getattr(self, name)
+            if not (_is_power_of_two(value) and value >= 16):
+                raise ValueError(f"{name} must be a power of two >= 16 (the MMA minimum); got {value}.")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16; got {self.num_warps}.")
+        if self.num_stages < 1 or self.programs_per_sm < 1:
+            raise ValueError(
+                f"num_stages and programs_per_sm must be >= 1; got {self.num_stages}, {self.programs_per_sm}."
+            )
 
 
 @dataclass(frozen=True)
@@ -95,20 +131,36 @@ class Plan:
         return torch.empty(self.splits, self.programs, *shape, device=device, dtype=torch.float32)
 
 
-def cuda_settings(dtype: torch.dtype, phase: str) -> tuple[int, int, int, int]:
-    """CUDA `(block_n, map_block_n, num_warps, num_stages)` for inputs of `dtype` in `phase`."""
+def cuda_settings(dtype: torch.dtype, phase: str) -> LaunchSettings:
+    """The default CUDA launch settings for inputs of `dtype` in `phase` ("fwd" or "bwd")."""
     block_n = _REDUCE_BLOCK_N_FP32 if dtype == torch.float32 else _REDUCE_BLOCK_N[phase]
     stages = 1 if dtype == torch.float32 else _REDUCE_STAGES[phase]
-    return block_n, _MAP_BLOCK_N, _REDUCE_WARPS, stages
+    return LaunchSettings(block_n, _MAP_BLOCK_N, _REDUCE_WARPS, stages)
 
 
-def make_plan(q: torch.Tensor, *, grid: tuple[int, int] | None, text_tokens: int, text_first: bool, phase: str) -> Plan:
-    """Plan a launch for `q` of shape (B, N, H, D); `phase` is "fwd" or "bwd"."""
+def make_plan(
+    q: torch.Tensor,
+    *,
+    grid: tuple[int, int] | None,
+    text_tokens: int,
+    text_first: bool,
+    phase: str,
+    settings: LaunchSettings | None = None,
+) -> Plan:
+    """Plan a launch for `q` of shape (B, N, H, D); `phase` is "fwd" or "bwd".
+
+    `settings` replaces the defaults (`cuda_settings` on CUDA; small tiles and two splits per
+    (sample, head) pair under the interpreter, where a CPU counts as one SM).
+    """
     batch, tokens, heads, head_dim = q.shape
     grid_h, grid_w = grid if grid is not None else (1, tokens - text_tokens)
-    if q.is_cuda:
-        block_n, map_block_n, warps, stages = cuda_settings(q.dtype, phase)
-        target = _PROGRAMS_PER_SM * _sm_count(q.device.index if q.device.index is not None else 0)
+    if settings is None and q.is_cuda:
+        settings = cuda_settings(q.dtype, phase)
+    if settings is not None:
+        block_n, map_block_n = settings.block_n, settings.map_block_n
+        warps, stages = settings.num_warps, settings.num_stages
+        sm_count = _sm_count(q.device.index if q.device.index is not None else 0) if q.is_cuda else 1
+        target = settings.programs_per_sm * sm_count
     else:
         block_n = map_block_n = _BLOCK_N_INTERPRETER
         warps, stages = 4, 1

@@ -58,10 +58,11 @@ def cases() -> list[tuple[str, object, dict, torch.dtype, str]]:
 
 def main() -> None:
     for case_id, kernel, constexprs, dtype, phase in cases():
-        block_n, map_block_n, num_warps, num_stages = cuda_settings(dtype, phase)
+        settings = cuda_settings(dtype, phase)
         is_map = kernel is fwd.inner_apply_fwd_kernel
-        constexprs = dict(constexprs, BLOCK_N=map_block_n if is_map else block_n)
-        compiled = _compile(kernel, constexprs, dtype, num_warps=num_warps, num_stages=1 if is_map else num_stages)
+        constexprs = dict(constexprs, BLOCK_N=settings.map_block_n if is_map else settings.block_n)
+        stages = 1 if is_map else settings.num_stages
+        compiled = _compile(kernel, constexprs, dtype, num_warps=settings.num_warps, num_stages=stages)
         print(json.dumps({"id": case_id, "shared": compiled.metadata.shared}), flush=True)
 
 

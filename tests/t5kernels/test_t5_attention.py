@@ -4,10 +4,13 @@ batch > 1, fp32 / fp16 (bf16 on CUDA only), and bitwise reproducibility."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from t5kernels import t5_attention
+from t5kernels.launch import LaunchSettings, make_plan
 from t5core.ttt import t5_attention_ref
 from tests.t5kernels.testing import Case, assert_close, make_leaves, run
 
@@ -74,6 +77,43 @@ def test_two_runs_give_identical_bits(case: Case, device: torch.device):
     first, second = run(t5_attention, case, leaves), run(t5_attention, case, leaves)
     for name in first:
         assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.parametrize(
+    "settings, splits",
+    [
+        (LaunchSettings(block_n=32, map_block_n=16, num_warps=4, num_stages=1, programs_per_sm=1), 1),
+        (LaunchSettings(block_n=16, map_block_n=64, num_warps=2, num_stages=2, programs_per_sm=12), 3),
+    ],
+    ids=["bigger-tiles-one-split", "smaller-tiles-three-splits"],
+)
+def test_explicit_launch_settings_match_reference(settings: LaunchSettings, splits: int, device: torch.device):
+    """Other tiles and token splits (what `benchmarks/sweep_kernels.py` times) give the same math."""
+    case = Case(2, 2, 16, (5, 7), 6, False, "swiglu", f32)
+    leaves = make_leaves(case, device)
+    plan = make_plan(leaves["q"], grid=case.grid, text_tokens=6, text_first=False, phase="fwd", settings=settings)
+    assert (plan.block_n, plan.map_block_n) == (settings.block_n, settings.map_block_n)
+    if device.type == "cpu":  # the interpreter counts one SM; a GPU has its own count
+        assert plan.splits == splits
+    ref = run(t5_attention_ref, case, leaves)
+    out = run(functools.partial(t5_attention, launch=settings), case, leaves)
+    for name in ref:
+        assert_close(name, ref[name], out[name], RATIO[case.dtype])
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(block_n=8), "block_n must be a power of two >= 16"),
+        (dict(map_block_n=48), "map_block_n must be a power of two >= 16"),
+        (dict(num_warps=3), "num_warps must be 1, 2, 4, 8 or 16"),
+        (dict(num_stages=0), "num_stages and programs_per_sm must be >= 1"),
+        (dict(programs_per_sm=0), "num_stages and programs_per_sm must be >= 1"),
+    ],
+)
+def test_bad_launch_settings_name_the_field(overrides: dict, match: str):
+    with pytest.raises(ValueError, match=match):
+        LaunchSettings(**{**dict(block_n=32, map_block_n=32, num_warps=8, num_stages=1), **overrides})
 
 
 def test_empty_allocations_are_poisoned_during_kernel_tests():
