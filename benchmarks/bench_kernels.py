@@ -114,18 +114,15 @@ class AttentionCase:
         self.module.backend = path
         return self.module(q, k, v, **self.layout)
 
-    def reference(self) -> torch.Tensor:
+    def parameters(self) -> dict:
+        """The module's parameters and the token layout, as `t5_attention(q, k, v, **...)` takes them."""
         m = self.module
+        conv = dict(q_conv=(m.q_conv.weight, m.q_conv.bias), k_conv=(m.k_conv.weight, m.k_conv.bias))
+        return dict(weights=m.fast_weights(), **conv, **self.layout)
+
+    def reference(self) -> torch.Tensor:
         with torch.no_grad():
-            return t5_attention_ref(
-                self.q.float(),
-                self.k.float(),
-                self.v.float(),
-                weights=m.fast_weights(),
-                q_conv=(m.q_conv.weight, m.q_conv.bias),
-                k_conv=(m.k_conv.weight, m.k_conv.bias),
-                **self.layout,
-            )
+            return t5_attention_ref(self.q.float(), self.k.float(), self.v.float(), **self.parameters())
 
 
 def time_forward(case: AttentionCase, path: str, args: argparse.Namespace) -> dict[str, float]:

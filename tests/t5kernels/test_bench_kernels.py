@@ -1,6 +1,7 @@
-"""`benchmarks/bench_kernels.py` end to end with the kernels under Triton's interpreter, at tiny
-shapes: every branch a GPU run takes (check against the reference, Triton timing columns, bandwidth,
-forward + backward, the whole-transformer rows with the Triton backend) runs before a GPU is at hand."""
+"""`benchmarks/bench_kernels.py` and `benchmarks/sweep_kernels.py` end to end with the kernels under
+Triton's interpreter, at tiny shapes: every branch a GPU run takes (check against the reference,
+Triton timing columns, bandwidth, forward + backward, the whole-transformer rows with the Triton
+backend, each sweep and its budget) runs before a GPU is at hand."""
 
 from __future__ import annotations
 
@@ -15,21 +16,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_kernels_runs_every_triton_branch_under_the_interpreter(tmp_path):
+def _run_interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
     pytest.importorskip("triton")
-    pytest.importorskip("diffusers")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    command = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "bench_kernels.py"),
-        "--device=cpu",
+    command = [sys.executable, str(ROOT / "benchmarks" / script), "--device=cpu", *args]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def test_bench_kernels_runs_every_triton_branch_under_the_interpreter(tmp_path):
+    pytest.importorskip("diffusers")
+    result = _run_interpreted(
+        "bench_kernels.py",
         "--grids", "3x5", "1x6",
         "--heads=2", "--head-dim=16", "--text=4", "--reps=2", "--warmup=0",
         "--backward", "--model-step", "--model-res", "64", "--peak-gbs=100",
         f"--results-dir={tmp_path}",
-    ]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
+    )  # fmt: skip
     assert "FAIL" not in result.stdout
     rows = json.loads((tmp_path / "kernels_cpu.json").read_text())["rows"]
     attention = [row for row in rows if "model" not in row]
@@ -44,3 +48,32 @@ def test_bench_kernels_runs_every_triton_branch_under_the_interpreter(tmp_path):
     for spec in ("paper", "all"):
         assert model[0][f"{spec}_triton_rel_err"] <= 1e-4
         assert {f"{spec}_triton_speedup", f"{spec}_torch_speedup"} <= model[0].keys()
+
+
+def _sweep(tmp_path: Path, *args: str) -> dict:
+    _run_interpreted(
+        "sweep_kernels.py", "--fwd-block-n=16,32", "--bwd-block-n=16", "--map-block-n=16,64", "--warps=4",
+        "--stages=1", "--programs-per-sm=1,8", f"--results-dir={tmp_path}", *args,
+    )  # fmt: skip
+    return json.loads((tmp_path / "kernels_sweep_cpu.json").read_text())
+
+
+def test_sweep_checks_and_times_every_setting_default_first(tmp_path):
+    result = _sweep(tmp_path)
+    rows = result["rows"]
+    assert [row["sweep"] for row in rows] == ["fwd"] * 5 + ["map"] * 2 + ["bwd"]
+    for sweep in ("fwd", "map", "bwd"):
+        first = next(row for row in rows if row["sweep"] == sweep)
+        assert first["default"] and sum(row["default"] for row in rows if row["sweep"] == sweep) == 1
+    assert all(row["status"] == "ok" and row["rel_err"] <= 1e-5 for row in rows)
+    fwd = {(row["block_n"], row["programs_per_sm"]) for row in rows if row["sweep"] == "fwd"}
+    assert fwd == {(16, 2), (16, 1), (16, 8), (32, 1), (32, 8)}
+    assert {row["map_block_n"] for row in rows if row["sweep"] == "map"} == {16, 64}
+    summaries = result["meta"]["summaries"]
+    assert [s["sweep"] for s in summaries] == ["fwd", "map", "bwd"]
+    assert all(s["best_ms"] <= s["default_ms"] for s in summaries)
+
+
+def test_sweep_spent_budget_still_times_the_defaults(tmp_path):
+    rows = _sweep(tmp_path, "--budget-s=0", "--sweeps", "fwd")["rows"]
+    assert [row["status"] for row in rows] == ["ok"] + ["not run: --budget-s spent"] * 4

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Every GPU check of the Triton kernels in one run, sized for a short device lease (at most 9 minutes
+# of stage limits, inside the device tool's 10-minute command limit):
+#
+#   tests  pytest tests/t5kernels on CUDA: SD3.5 shapes, bf16, bit-repeatability, sm_90 compile
+#   bench  benchmarks/bench_kernels.py --backward --model-step  -> kernels_cuda.json
+#   sweep  benchmarks/sweep_kernels.py (launch settings at 2K)   -> kernels_sweep_cuda.json
+#
+#   bash benchmarks/gpu_check.sh                 # all three, in that order
+#   bash benchmarks/gpu_check.sh bench sweep     # some of them
+#
+# Logs and JSON go to $OUT (the device tool's folder; else benchmarks/results/gpu_check). Each stage
+# has its own time limit, so a slow one cannot eat the next; the exit status is 1 if any failed.
+#
+# The model step needs diffusers, which the H200 image lacks. Carry its wheel (pure Python; the
+# image has its dependencies), downloaded beforehand on any machine with pip:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux2014_x86_64 -d .whl diffusers==0.42.1
+# and run with carry [".whl"]. Without it the bench stage fails at the model step, after its
+# attention table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-benchmarks/results/gpu_check}
+mkdir -p "$out"
+log=$out/gpu_check.log
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/t5-triton-cache}
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/t5-site .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/t5-site
+fi
+{
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
+    git log -1 --format='commit %h %s' 2>/dev/null
+} 2>&1 | tee "$log"
+
+failed=0
+stage() {  # stage NAME LIMIT_S COMMAND...
+    local name=$1 limit=$2 start=$SECONDS rc
+    shift 2
+    echo "== $name (limit ${limit} s): $*" | tee -a "$log"
+    timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    rc=${PIPESTATUS[0]}
+    echo "== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$log"
+    [ "$rc" -eq 0 ] || failed=1
+}
+
+for name in "${@:-tests bench sweep}"; do
+    for one in $name; do
+        case $one in
+            tests) stage tests 240 python3 -m pytest tests/t5kernels -q -n 8 -p no:cacheprovider \
+                       --ignore=tests/t5kernels/test_bench_kernels.py ;;
+            bench) stage bench 170 python3 benchmarks/bench_kernels.py --backward --model-step --results-dir "$out" ;;
+            sweep) stage sweep 130 python3 benchmarks/sweep_kernels.py --budget-s 90 --results-dir "$out" ;;
+            *) echo "unknown stage '$one' (tests, bench, sweep)" | tee -a "$log"; exit 2 ;;
+        esac
+    done
+done
+exit "$failed"
