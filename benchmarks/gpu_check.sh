@@ -2,7 +2,7 @@
 # Every GPU check of the Triton kernels in one run, sized for a short device lease (at most 9 minutes
 # of stage limits, inside the device tool's 10-minute command limit):
 #
-#   tests  pytest tests/t5kernels on CUDA: SD3.5 shapes, bf16, bit-repeatability, sm_90 compile
+#   tests  pytest tests/t5kernels on CUDA: SD3.5 shapes, bf16, bit-repeatability, sm_80/90 compile
 #   bench  benchmarks/bench_kernels.py --backward --model-step  -> kernels_cuda.json
 #   sweep  benchmarks/sweep_kernels.py (launch settings at 2K)   -> kernels_sweep_cuda.json
 #

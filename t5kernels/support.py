@@ -9,17 +9,35 @@ test process can import the interpreted kernels once and switch CPU dispatch on 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
 import torch
 
-__all__ = ["INTERPRETED", "TRITON_AVAILABLE", "interpret_requested", "t5_attention_unavailable", "unsupported_reason"]
+__all__ = [
+    "INTERPRETED",
+    "MIN_CAPABILITY",
+    "SHARED_KIB_NEEDED",
+    "TRITON_AVAILABLE",
+    "cuda_device_reason",
+    "interpret_requested",
+    "t5_attention_unavailable",
+    "unsupported_reason",
+]
 
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 128
 _VARIANTS = ("swiglu", "mlp")
+# bf16 MMAs and 3xTF32 products need Ampere or newer.
+MIN_CAPABILITY = (8, 0)
+# Shared memory per block (KiB) the largest kernel needs at its default launch settings, by
+# (fp32 inputs, head dim rounded up to 64 or 128): ptxas for sm_80 and sm_90, the larger of the
+# two (`python -m tests.t5kernels.compile_cuda --all`; tests/t5kernels/test_compile_cuda.py keeps
+# the first three exact). GPUs allow 99 KiB (sm_86, sm_89), 163 KiB (sm_80) or 227 KiB (sm_90) per
+# block, so fp32 at head dim 128 runs nowhere and fp32 at 64 needs an A100 or H100.
+SHARED_KIB_NEEDED = {(False, 64): 48, (True, 64): 136, (False, 128): 144, (True, 128): 464}
 
 
 def interpret_requested() -> bool:
@@ -37,6 +55,51 @@ def _decorated_for_interpreter() -> bool:
 
 
 INTERPRETED = _decorated_for_interpreter()
+
+
+def cuda_device_reason(
+    *, name: str, capability: tuple[int, int], shared_bytes: int, rocm: bool, dtype: torch.dtype, head_dim: int
+) -> str | None:
+    """Why a GPU with these properties cannot run the kernels for `dtype` and `head_dim`, or None.
+
+    Args:
+        name (`str`): the device name, for the message.
+        capability (`tuple[int, int]`): CUDA compute capability.
+        shared_bytes (`int`): the most shared memory a block may opt in to.
+        rocm (`bool`): whether torch runs on ROCm (HIP).
+        dtype, head_dim: of the call (already checked to be supported in general).
+    """
+    if rocm:
+        return f"{name} runs ROCm; the kernels are written and tested for NVIDIA GPUs only"
+    if capability < MIN_CAPABILITY:
+        major, minor = capability
+        return f"{name} has compute capability {major}.{minor}; the kernels need 8.0 or newer (Ampere, Ada, Hopper)"
+    rounded = 64 if head_dim <= 64 else 128
+    need_kib = SHARED_KIB_NEEDED[(dtype == torch.float32, rounded)]
+    if need_kib * 1024 <= shared_bytes:
+        return None
+    half_fits = SHARED_KIB_NEEDED[(False, rounded)] * 1024 <= shared_bytes
+    hint = "; run the model in bfloat16 or float16" if dtype == torch.float32 and half_fits else ""
+    return (
+        f"{str(dtype).removeprefix('torch.')} at head_dim {head_dim} needs {need_kib} KiB of shared memory per block "
+        f"and {name} allows {shared_bytes // 1024} KiB{hint}"
+    )
+
+
+@functools.cache
+def _cuda_properties(index: int) -> dict:
+    props = torch.cuda.get_device_properties(index)
+    shared = getattr(props, "shared_memory_per_block_optin", None)
+    if shared is None:  # older torch: ask Triton's driver, which is what decides at launch
+        import triton
+
+        shared = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return {
+        "name": props.name,
+        "capability": (props.major, props.minor),
+        "shared_bytes": int(shared),
+        "rocm": torch.version.hip is not None,
+    }
 
 
 def unsupported_reason(q: torch.Tensor, *, variant: str) -> str | None:
@@ -72,6 +135,9 @@ def unsupported_reason(q: torch.Tensor, *, variant: str) -> str | None:
         return f"head_dim {head_dim} is not a power of two"
     if not _MIN_HEAD_DIM <= head_dim <= _MAX_HEAD_DIM:
         return f"head_dim {head_dim} is outside [{_MIN_HEAD_DIM}, {_MAX_HEAD_DIM}]"
+    if q.device.type == "cuda":
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        return cuda_device_reason(**_cuda_properties(index), dtype=q.dtype, head_dim=head_dim)
     return None
 
 

@@ -245,3 +245,41 @@ def test_a_foreign_kernels_package_does_not_shadow_ours(tmp_path):
         "print(kernels.FOREIGN, tuple(out.shape))"
     )
     assert _python(code) == "True (1, 12, 2, 16)"
+
+
+# name, compute capability, shared memory per block (opt-in), as the CUDA runtime reports them
+H100 = ("NVIDIA H100 80GB HBM3", (9, 0), 227 * 1024)
+A100 = ("NVIDIA A100-SXM4-80GB", (8, 0), 163 * 1024)
+RTX_4090 = ("NVIDIA GeForce RTX 4090", (8, 9), 99 * 1024)
+T4 = ("Tesla T4", (7, 5), 64 * 1024)
+
+
+@pytest.mark.parametrize(
+    "gpu, dtype, head_dim, reason",
+    [
+        (H100, torch.bfloat16, 64, None),
+        (H100, torch.float32, 64, None),
+        (H100, torch.float16, 128, None),
+        (H100, torch.float32, 128, "float32 at head_dim 128 needs 464 KiB of shared memory per block and NVIDIA H100"),
+        (A100, torch.float32, 64, None),
+        (A100, torch.bfloat16, 128, None),
+        (RTX_4090, torch.bfloat16, 64, None),
+        (RTX_4090, torch.float16, 32, None),
+        (RTX_4090, torch.float32, 64, "needs 136 KiB .* allows 99 KiB; run the model in bfloat16 or float16"),
+        (RTX_4090, torch.bfloat16, 128, "bfloat16 at head_dim 128 needs 144 KiB .* allows 99 KiB$"),
+        (T4, torch.float16, 64, r"Tesla T4 has compute capability 7.5; the kernels need 8.0 or newer"),
+    ],
+)
+def test_gpus_the_kernels_do_not_fit_are_refused_with_the_reason(gpu, dtype, head_dim, reason):
+    name, capability, shared = gpu
+    got = support.cuda_device_reason(
+        name=name, capability=capability, shared_bytes=shared, rocm=False, dtype=dtype, head_dim=head_dim
+    )
+    assert got is None if reason is None else re.search(reason, got), got
+
+
+def test_rocm_is_refused():
+    got = support.cuda_device_reason(
+        name="AMD Instinct MI300X", capability=(9, 4), shared_bytes=64 * 1024, rocm=True, dtype=torch.bfloat16, head_dim=64
+    )
+    assert got == "AMD Instinct MI300X runs ROCm; the kernels are written and tested for NVIDIA GPUs only"
