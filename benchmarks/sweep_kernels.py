@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import sys
 import time
@@ -57,6 +58,10 @@ def candidates(sweep: str, default: LaunchSettings, args: argparse.Namespace) ->
     yield from (s for s in settings if s != default)
 
 
+def _forward_backward(forward, leaves: dict[str, torch.Tensor], grad: torch.Tensor) -> None:
+    forward(**leaves).backward(grad)
+
+
 def sweep_rows(sweep: str, case: AttentionCase, reference: torch.Tensor, args: argparse.Namespace, deadline: float):
     """Check and time each candidate of one sweep; returns its rows (default first)."""
     dtype = DTYPES[args.dtype]
@@ -83,7 +88,8 @@ def sweep_rows(sweep: str, case: AttentionCase, reference: torch.Tensor, args: a
             if sweep == "bwd":
                 leaves = {name: getattr(case, name).detach().requires_grad_() for name in ("q", "k", "v")}
                 grad = torch.randn_like(case.q)
-                timing = time_fn(lambda: forward(**leaves).backward(grad), warmup=args.warmup, reps=args.reps)
+                step = functools.partial(_forward_backward, forward, leaves, grad)
+                timing = time_fn(step, warmup=args.warmup, reps=args.reps)
             else:
                 timing = time_fn(lambda: forward().detach(), warmup=args.warmup, reps=args.reps)
         except Exception as error:  # noqa: BLE001 - a setting that cannot compile or launch is a result

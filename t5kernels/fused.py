@@ -37,7 +37,12 @@ class _Layout:
     def plan(self, q: Tensor, phase: str) -> Plan:
         """The launch plan of `phase` ("fwd" or "bwd") for queries `q`."""
         return make_plan(
-            q, grid=self.grid, text_tokens=self.text_tokens, text_first=self.text_first, phase=phase, settings=self.launch
+            q,
+            grid=self.grid,
+            text_tokens=self.text_tokens,
+            text_first=self.text_first,
+            phase=phase,
+            settings=self.launch,
         )
 
 

@@ -1,5 +1,5 @@
 """The kernels compile for Ampere / Ada (sm_80) and Hopper (sm_90) with the settings the launch plan
-uses, and `t5kernels.support.SHARED_KIB_NEEDED`, which decides on which GPUs they run, is an exact
+uses, and `t5kernels.support.SHARED_KIB_NEEDED`, which decides on which GPUs they run, is a tight
 bound of the shared memory they need. The interpreter shows neither, so this compiles ahead of time
 (no GPU needed; Triton's bundled ptxas) in a subprocess where `t5kernels` is not interpreted."""
 
@@ -42,7 +42,9 @@ def test_shared_memory_table_is_the_largest_kernel(compiled, fp32, head_dim):
     needs = {case: kib for case, kib in compiled.items() if case.endswith(f"-{dtype}-D{head_dim}")}
     assert len(needs) == 8, needs  # 4 kernels x 2 architectures
     largest_kib = max(needs.values()) / 1024
-    assert largest_kib == SHARED_KIB_NEEDED[(fp32, head_dim)], needs
+    # a bound (a GPU the table admits never fails at launch), and a tight one (none is refused for
+    # nothing); Triton versions differ by a few KiB (fp32 at 64: 129 with 3.4, 136 with 3.8)
+    assert largest_kib <= SHARED_KIB_NEEDED[(fp32, head_dim)] <= largest_kib + 8, needs
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -51,4 +53,3 @@ def test_sd35_shapes_fit_every_gpu_of_the_architecture(compiled, arch):
     block on sm_86 / sm_89, the least of them)."""
     cases = {case: shared for case, shared in compiled.items() if f"-sm{arch}-bfloat16-D64" in case}
     assert len(cases) == 4 and all(shared <= 99 * 1024 for shared in cases.values()), cases
-

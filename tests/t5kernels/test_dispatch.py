@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import t5kernels
-from t5kernels import support
 from t5core import T5Attention, backend
 from t5core.ttt import t5_attention_ref
+from t5kernels import support
 from tests.t5kernels.testing import assert_close
 
 H, D, GRID, TEXT = 2, 16, (3, 5), 4
@@ -280,6 +280,11 @@ def test_gpus_the_kernels_do_not_fit_are_refused_with_the_reason(gpu, dtype, hea
 
 def test_rocm_is_refused():
     got = support.cuda_device_reason(
-        name="AMD Instinct MI300X", capability=(9, 4), shared_bytes=64 * 1024, rocm=True, dtype=torch.bfloat16, head_dim=64
+        name="AMD Instinct MI300X",
+        capability=(9, 4),
+        shared_bytes=64 * 1024,
+        rocm=True,
+        dtype=torch.bfloat16,
+        head_dim=64,
     )
     assert got == "AMD Instinct MI300X runs ROCm; the kernels are written and tested for NVIDIA GPUs only"

@@ -9,9 +9,9 @@ import functools
 import pytest
 import torch
 
+from t5core.ttt import t5_attention_ref
 from t5kernels import t5_attention
 from t5kernels.launch import LaunchSettings, make_plan
-from t5core.ttt import t5_attention_ref
 from tests.t5kernels.testing import Case, assert_close, make_leaves, run
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
