@@ -58,15 +58,19 @@ def candidates(sweep: str, default: LaunchSettings, args: argparse.Namespace) ->
     yield from (s for s in settings if s != default)
 
 
-def _forward_backward(forward, leaves: dict[str, torch.Tensor], grad: torch.Tensor) -> None:
-    forward(**leaves).backward(grad)
+def _forward(qkv: tuple[torch.Tensor, ...], parameters: dict, settings: LaunchSettings) -> torch.Tensor:
+    return t5_attention(*qkv, **parameters, launch=settings)
+
+
+def _forward_backward(qkv: tuple[torch.Tensor, ...], parameters: dict, settings: LaunchSettings, grad) -> None:
+    _forward(qkv, parameters, settings).backward(grad)
 
 
 def sweep_rows(sweep: str, case: AttentionCase, reference: torch.Tensor, args: argparse.Namespace, deadline: float):
     """Check and time each candidate of one sweep; returns its rows (default first)."""
     dtype = DTYPES[args.dtype]
     default = cuda_settings(dtype, "bwd" if sweep == "bwd" else "fwd") if args.device == "cuda" else args.cpu_default
-    parameters = case.parameters()
+    parameters, qkv = case.parameters(), (case.q, case.k, case.v)
     rows = []
     for settings in candidates(sweep, default, args):
         row = {"sweep": sweep, **dataclasses.asdict(settings), "default": settings == default}
@@ -74,24 +78,18 @@ def sweep_rows(sweep: str, case: AttentionCase, reference: torch.Tensor, args: a
         if time.monotonic() > deadline and not row["default"]:
             row["status"] = "not run: --budget-s spent"
             continue
-
-        def forward(settings: LaunchSettings = settings, **leaves: torch.Tensor) -> torch.Tensor:
-            q, k, v = (leaves.get(name, getattr(case, name)) for name in ("q", "k", "v"))
-            return t5_attention(q, k, v, **parameters, launch=settings)
-
         try:
             with torch.no_grad():
-                row["rel_err"] = relative_rms(reference, forward().float())
+                row["rel_err"] = relative_rms(reference, _forward(qkv, parameters, settings).float())
             if not row["rel_err"] <= RATIO[dtype]:
                 row["status"] = f"FAIL: relative RMS error {row['rel_err']:.1e} > {RATIO[dtype]:.0e}"
                 continue
             if sweep == "bwd":
-                leaves = {name: getattr(case, name).detach().requires_grad_() for name in ("q", "k", "v")}
-                grad = torch.randn_like(case.q)
-                step = functools.partial(_forward_backward, forward, leaves, grad)
-                timing = time_fn(step, warmup=args.warmup, reps=args.reps)
+                leaves = tuple(x.detach().requires_grad_() for x in qkv)
+                step = functools.partial(_forward_backward, leaves, parameters, settings, torch.randn_like(case.q))
             else:
-                timing = time_fn(lambda: forward().detach(), warmup=args.warmup, reps=args.reps)
+                step = torch.no_grad()(functools.partial(_forward, qkv, parameters, settings))
+            timing = time_fn(step, warmup=args.warmup, reps=args.reps)
         except Exception as error:  # noqa: BLE001 - a setting that cannot compile or launch is a result
             row["status"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
             continue
