@@ -12,13 +12,14 @@ import os
 import platform
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from t5core.atomic import write_text_atomic
 
 __all__ = ["RESULTS_DIR", "environment", "header_line", "time_fn", "write_json"]
 
@@ -117,21 +118,7 @@ def write_json(
     Returns:
         The path written.
     """
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{name}.json"
     payload = {"meta": {**environment(), **(meta or {})}, "rows": rows}
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        # mkstemp creates the file 0600; results are meant to be shared like any other file
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w") as handle:
-            json.dump(payload, handle, indent=2, sort_keys=False)
-            handle.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    path = write_text_atomic(directory / f"{name}.json", json.dumps(payload, indent=2) + "\n")
     logger.info("wrote %s", path)
     return path

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from t5core.atomic import write_atomic
 from t5core.attention import T5Attention
 from t5core.config import BaseArch, T5Config
 from t5core.layers import LayerSpec, resolve_layers
@@ -91,20 +91,6 @@ def expected_shapes(config: T5Config, arch: BaseArch) -> dict[str, tuple[int, ..
     return shapes
 
 
-def _atomic_save(tensors: dict[str, Tensor], metadata: dict[str, str], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save(
     path: str | os.PathLike[str],
     source: _Converted | Mapping[str, T5Attention],
@@ -158,7 +144,7 @@ def save(
         "t5.base": arch.to_metadata(),
         "t5.trainer": json.dumps(dict(provenance or {}), sort_keys=True, default=str),
     }
-    _atomic_save(tensors, metadata, path)
+    write_atomic(path, lambda temp: save_file(tensors, temp, metadata=metadata))
     logger.info("T5 weights: wrote %d modules (%d base tensors) to %s", len(layers), len(base or {}), path)
     return path
 

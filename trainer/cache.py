@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from t5core.atomic import write_atomic, write_text_atomic
 from trainer.data import Batch
 
 __all__ = ["CACHE_FORMAT", "MANIFEST", "CacheSource", "shard_name", "write_manifest", "write_tensors"]
@@ -40,24 +39,14 @@ def shard_name(index: int) -> str:
 
 def write_tensors(path: Path, batch: Batch, *, metadata: dict[str, str] | None = None) -> None:
     """Write one shard (or the uncond file) atomically."""
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
-    try:
-        tensors = {"latents": batch.latents, "context": batch.context, "pooled": batch.pooled}
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, temp, metadata=metadata)
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    tensors = {"latents": batch.latents, "context": batch.context, "pooled": batch.pooled}
+    contiguous = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    write_atomic(path, lambda temp: save_file(contiguous, temp, metadata=metadata))
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> Path:
     """Write `manifest.json` atomically: the mark that the cache is complete."""
-    handle, temp = tempfile.mkstemp(dir=folder, prefix=f".{MANIFEST}.", suffix=".tmp")
-    with os.fdopen(handle, "w", encoding="utf-8") as stream:
-        json.dump({"format": CACHE_FORMAT, **manifest}, stream, indent=1)
-    os.replace(temp, folder / MANIFEST)
-    return folder / MANIFEST
+    return write_text_atomic(folder / MANIFEST, json.dumps({"format": CACHE_FORMAT, **manifest}, indent=1))
 
 
 class CacheSource:

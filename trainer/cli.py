@@ -12,14 +12,13 @@ import ast
 import dataclasses
 import functools
 import inspect
-import os
 import sys
-import tempfile
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from t5core.atomic import write_text_atomic
 from trainer.config import TrainConfig
 
 if sys.version_info >= (3, 11):
@@ -229,13 +228,7 @@ def _toml_value(value: Any) -> str:
 
 def save_config(config: TrainConfig, path: str | Path) -> Path:
     """Write the resolved config as TOML, atomically (temp file then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(handle, "w", encoding="utf-8") as stream:
-        stream.write(config_to_toml(config))
-    os.replace(temp, path)
-    return path
+    return write_text_atomic(path, config_to_toml(config))
 
 
 def config_from_toml_text(text: str) -> TrainConfig:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from t5core.atomic import write_text_atomic
 from t5core.attention import T5Attention
 from t5core.hosts.diffusers import T5Handle
 from t5core.sd3_keys import diffusers_to_sd3, key_rules
@@ -109,9 +108,5 @@ def write_report(folder: str | Path, report: dict[str, Any]) -> tuple[Path, Path
         ("report.json", json.dumps(report, indent=1, default=str)),
         ("report.md", "\n".join(lines) + "\n"),
     ):
-        handle, temp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        os.replace(temp, folder / name)
-        written.append(folder / name)
+        written.append(write_text_atomic(folder / name, text))
     return written[0], written[1]

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
+
+from t5core.atomic import write_text_atomic
 
 __all__ = ["MetricsWriter", "Progress", "read_metrics"]
 
@@ -35,10 +35,7 @@ class MetricsWriter:
             for line in self.path.read_text(encoding="utf-8").splitlines()
             if line and json.loads(line)["step"] <= step
         ]
-        handle, temp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write("".join(line + "\n" for line in kept))
-        os.replace(temp, self.path)
+        write_text_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:

@@ -1,35 +1,16 @@
-"""Atomic file writes for the toy's outputs (temp file in the same folder, fsync, os.replace)."""
+"""Atomic JSON and safetensors writes for the toy's outputs (`t5core.atomic`)."""
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
-__all__ = ["write_bytes_atomic", "write_json_atomic", "write_safetensors_atomic"]
+from t5core.atomic import write_bytes_atomic
 
-
-def write_bytes_atomic(path: Path | str, data: bytes) -> Path:
-    """Write `data` to `path` so that readers see the old file or the whole new one, never a part."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        # mkstemp makes the file private; shipped outputs are ordinary readable files.
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+__all__ = ["write_json_atomic", "write_safetensors_atomic"]
 
 
 def write_json_atomic(path: Path | str, payload: object) -> Path:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from trainer.toy._io import write_bytes_atomic
+from t5core.atomic import write_bytes_atomic
 from trainer.toy.data import Caption
 from trainer.toy.eval import ToyEvalScore, eval_set, generate, score_images, teacher_distance, validation_loss
 
