@@ -2,7 +2,7 @@
 
     python benchmarks/sweep_kernels.py                  # CUDA: 2K (128x128 + 333 text), bf16, B=2
     python benchmarks/sweep_kernels.py --grid 64x64     # 1K
-    python benchmarks/sweep_kernels.py --budget-s 120   # start no new setting after two minutes
+    python benchmarks/sweep_kernels.py --budget-s 120   # two minutes, shared evenly by the sweeps
 
 The defaults (`t5kernels.launch.cuda_settings`) come from compiler reports, not from timings; this
 script is the timing. Three sweeps, each one T5 attention call through `t5kernels.t5_attention`
@@ -66,8 +66,9 @@ def _forward_backward(qkv: tuple[torch.Tensor, ...], parameters: dict, settings:
     _forward(qkv, parameters, settings).backward(grad)
 
 
-def sweep_rows(sweep: str, case: AttentionCase, reference: torch.Tensor, args: argparse.Namespace, deadline: float):
-    """Check and time each candidate of one sweep; returns its rows (default first)."""
+def sweep_rows(sweep: str, case: AttentionCase, reference: torch.Tensor, args: argparse.Namespace, *, deadline: float):
+    """Check and time each candidate of one sweep, starting none after `deadline` (the default always
+    runs); returns its rows, default first."""
     dtype = DTYPES[args.dtype]
     default = cuda_settings(dtype, "bwd" if sweep == "bwd" else "fwd") if args.device == "cuda" else args.cpu_default
     parameters, qkv = case.parameters(), (case.q, case.k, case.v)
@@ -150,7 +151,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--programs-per-sm", type=int_list, default=[1, 2, 4])
     parser.add_argument("--reps", type=int, help="timed repetitions (default: 10 on CUDA, 2 on CPU)")
     parser.add_argument("--warmup", type=int, help="untimed calls first (default: 3 on CUDA, 0 on CPU)")
-    parser.add_argument("--budget-s", type=float, default=240.0, help="start no new setting after this many seconds")
+    parser.add_argument(
+        "--budget-s", type=float, default=240.0, help="seconds for all sweeps, split evenly; none starts a setting late"
+    )
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON goes")
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -180,10 +183,10 @@ def main() -> None:
         f"text {args.text} last, {args.dtype}, swiglu, locality, key norm; budget {args.budget_s:.0f} s"
     )
     reference = case.reference()
-    deadline = time.monotonic() + args.budget_s
+    share_s = args.budget_s / len(args.sweeps)
     rows, summaries = [], []
     for sweep in args.sweeps:
-        sweep_result = sweep_rows(sweep, case, reference, args, deadline)
+        sweep_result = sweep_rows(sweep, case, reference, args, deadline=time.monotonic() + share_s)
         rows += sweep_result
         summaries.append(print_sweep(sweep, sweep_result))
     meta = {key: value for key, value in vars(args).items() if key not in ("results_dir", "cpu_default")}
