@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from t5core.backend import resolve_backend
+from t5core.backend import attend
 from t5core.config import T5Config
-from t5core.ttt import VARIANTS, t5_attention_ref
+from t5core.ttt import VARIANTS
 
 __all__ = ["T5Attention"]
 
@@ -118,8 +118,4 @@ class T5Attention(nn.Module):
             text_first=text_first,
             key_norm_eps=self.key_norm_eps,
         )
-        if resolve_backend(self.backend, q, variant=self.variant) == "triton":
-            from t5kernels import t5_attention
-
-            return t5_attention(q, k, v, **arguments)
-        return t5_attention_ref(q, k, v, **arguments)
+        return attend(self.backend, q, k, v, **arguments)

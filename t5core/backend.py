@@ -3,6 +3,8 @@
 `"torch"` runs `t5core.ttt.t5_attention_ref`; `"triton"` runs the fused kernels of the `t5kernels`
 package; `"auto"` picks Triton for CUDA tensors when the kernels support the call, else torch, and
 logs once per reason which path runs. The environment variable `T5_BACKEND` overrides `"auto"`.
+Under `"auto"`, kernels that Triton cannot build or launch on this machine are reported once and
+that (device, dtype, head dim, variant) takes the torch path from then on.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Literal
 
 from torch import Tensor
 
-__all__ = ["Backend", "BACKENDS", "resolve_backend"]
+from t5core.ttt import t5_attention_ref
+
+__all__ = ["Backend", "BACKENDS", "attend", "resolve_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +38,28 @@ def _kernels() -> ModuleType | str:
         return f"the Triton kernels are unavailable ({error}); install them with `pip install triton`"
 
 
+# (device, dtype, head dim, variant) -> why the kernels failed to build or launch there
+_BUILD_FAILURES: dict[tuple, str] = {}
+
+
 @functools.cache
 def _log_once(message: str) -> None:
     logger.info(message)
+
+
+def _failure_key(q: Tensor, variant: str) -> tuple:
+    return (str(q.device), q.dtype, q.shape[-1], variant)
+
+
+def _requested(requested: str) -> str:
+    """`requested`, or `T5_BACKEND` in its place when it is "auto"; checked against `BACKENDS`."""
+    if requested == "auto":
+        requested = os.environ.get(ENV_VAR, "auto") or "auto"
+        if requested not in BACKENDS:
+            raise ValueError(f"{ENV_VAR}={requested!r} is not a backend; use one of {BACKENDS}.")
+    elif requested not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {requested!r}.")
+    return requested
 
 
 def resolve_backend(requested: str, q: Tensor, *, variant: str) -> Literal["torch", "triton"]:
@@ -51,16 +74,13 @@ def resolve_backend(requested: str, q: Tensor, *, variant: str) -> Literal["torc
         ValueError: an unknown backend name (argument or `T5_BACKEND`).
         RuntimeError: `"triton"` was requested and cannot run this call; says why and what to do.
     """
-    if requested == "auto":
-        requested = os.environ.get(ENV_VAR, "auto") or "auto"
-        if requested not in BACKENDS:
-            raise ValueError(f"{ENV_VAR}={requested!r} is not a backend; use one of {BACKENDS}.")
-    elif requested not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}; got {requested!r}.")
+    requested = _requested(requested)
     if requested == "torch":
         return "torch"
     package = _kernels()
     reason = package if isinstance(package, str) else package.unsupported_reason(q, variant=variant)
+    if reason is None and requested == "auto":
+        reason = _BUILD_FAILURES.get(_failure_key(q, variant))
     if requested == "triton":
         if reason is not None:
             raise RuntimeError(
@@ -72,3 +92,27 @@ def resolve_backend(requested: str, q: Tensor, *, variant: str) -> Literal["torc
         return "triton"
     _log_once(f"T5 attention: running the torch path because {reason}")
     return "torch"
+
+
+def attend(requested: str, q: Tensor, k: Tensor, v: Tensor, **arguments) -> Tensor:
+    """One T5 attention call on the backend `requested` resolves to (`resolve_backend`).
+
+    Args:
+        requested (`str`): `"auto" | "torch" | "triton"`.
+        q, k, v, **arguments: as `t5core.ttt.t5_attention_ref` takes them (`variant` included).
+
+    Raises:
+        t5kernels.KernelBuildError: `"triton"` was requested and Triton cannot build or launch the
+            kernels here. Under `"auto"` that is logged as a warning and the torch path runs.
+    """
+    variant = arguments.get("variant", "swiglu")
+    if resolve_backend(requested, q, variant=variant) == "triton":
+        package = _kernels()
+        try:
+            return package.t5_attention(q, k, v, **arguments)
+        except package.KernelBuildError as error:
+            if _requested(requested) != "auto":
+                raise
+            _BUILD_FAILURES[_failure_key(q, variant)] = f"the kernels failed to build or launch here: {error}"
+            logger.warning("T5 attention: %s; running the torch path for these calls from now on", error)
+    return t5_attention_ref(q, k, v, **arguments)

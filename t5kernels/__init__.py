@@ -5,11 +5,11 @@
 torch and triton, and imports cleanly without triton (then every call is unsupported).
 """
 
-from t5kernels.support import TRITON_AVAILABLE, unsupported_reason
+from t5kernels.support import TRITON_AVAILABLE, KernelBuildError, unsupported_reason
 
 if TRITON_AVAILABLE:
     from t5kernels.fused import t5_attention
 else:
     from t5kernels.support import t5_attention_unavailable as t5_attention
 
-__all__ = ["t5_attention", "unsupported_reason"]
+__all__ = ["KernelBuildError", "t5_attention", "unsupported_reason"]

@@ -8,9 +8,13 @@ Triton kernel; torch only allocates, reshapes parameters and casts (t5kernels/RE
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import triton.compiler.errors
+import triton.runtime.errors
 from torch import Tensor
 
 from t5kernels.bwd import inner_apply_bwd, inner_step_bwd
@@ -18,11 +22,34 @@ from t5kernels.fwd import inner_apply_fwd, inner_step_fwd
 from t5kernels.launch import LaunchSettings, Plan, make_plan
 from t5kernels.locality_bwd import conv_param_grads, key_norm_bwd, locality_bwd
 from t5kernels.reduce import key_stats_fwd
-from t5kernels.support import unsupported_reason
+from t5kernels.support import KernelBuildError, unsupported_reason
 
 __all__ = ["T5AttentionFunction", "t5_attention"]
 
 _N_WEIGHTS = {"swiglu": 3, "mlp": 2}
+# Triton's errors for kernels this machine cannot build or launch (PTXASError is newer than 3.1)
+_BUILD_ERRORS = tuple(
+    error
+    for error in (
+        triton.compiler.errors.CompilationError,
+        triton.runtime.errors.OutOfResources,
+        getattr(triton.runtime.errors, "PTXASError", None),
+    )
+    if error is not None
+)
+
+
+@contextlib.contextmanager
+def _build_errors_reported(q: Tensor, phase: str) -> Iterator[None]:
+    """Re-raise Triton's compile and launch-resource errors as `KernelBuildError`, naming the fix."""
+    try:
+        yield
+    except _BUILD_ERRORS as error:
+        where = torch.cuda.get_device_name(q.device) if q.is_cuda else str(q.device)
+        raise KernelBuildError(
+            f"the T5 Triton kernels could not be built or launched for the {phase} on {where} "
+            f"({type(error).__name__}: {str(error).strip()[:300]}). Use backend='torch' (or T5_BACKEND=torch)."
+        ) from error
 
 
 @dataclass(frozen=True)
@@ -78,6 +105,11 @@ class T5AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with _build_errors_reported(grad_out, "backward"):
+            return T5AttentionFunction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         q, k, v, fast_init, fast, stats, q_taps, q_bias, k_taps, k_bias = ctx.saved_tensors
         layout: _Layout = ctx.layout
         plan = layout.plan(q, "bwd")
@@ -188,6 +220,7 @@ def t5_attention(
 
     Raises:
         RuntimeError: the kernels cannot run this call (`t5kernels.unsupported_reason` says why).
+        KernelBuildError: Triton could not compile or launch the kernels on this machine.
         ValueError: inconsistent shapes, dtypes, grid or text length.
     """
     reason = unsupported_reason(q, variant=variant)
@@ -198,4 +231,5 @@ def t5_attention(
     layout = _Layout(variant, grid, text_tokens, text_first, key_norm_eps, launch)
     q_weight, q_bias = q_conv if q_conv is not None else (None, None)
     k_weight, k_bias = k_conv if k_conv is not None else (None, None)
-    return T5AttentionFunction.apply(layout, q, k, v, q_weight, q_bias, k_weight, k_bias, *weights)
+    with _build_errors_reported(q, "forward"):
+        return T5AttentionFunction.apply(layout, q, k, v, q_weight, q_bias, k_weight, k_bias, *weights)

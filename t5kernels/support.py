@@ -17,6 +17,7 @@ import torch
 
 __all__ = [
     "INTERPRETED",
+    "KernelBuildError",
     "MIN_CAPABILITY",
     "SHARED_KIB_NEEDED",
     "TRITON_AVAILABLE",
@@ -38,6 +39,11 @@ MIN_CAPABILITY = (8, 0)
 # the first three tight bounds). GPUs allow 99 KiB (sm_86, sm_89), 163 KiB (sm_80) or 227 KiB (sm_90) per
 # block, so fp32 at head dim 128 runs nowhere and fp32 at 64 needs an A100 or H100.
 SHARED_KIB_NEEDED = {(False, 64): 48, (True, 64): 136, (False, 128): 144, (True, 128): 464}
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels could not be compiled or launched on this machine (a Triton compiler or resource
+    error, not bad input). `backend="auto"` then takes the torch path; `"triton"` raises this."""
 
 
 def interpret_requested() -> bool:

@@ -44,6 +44,23 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(t5kernels, "t5_attention", spy)
     monkeypatch.delenv("T5_BACKEND", raising=False)
+    monkeypatch.setattr(backend, "_BUILD_FAILURES", {})
+    backend._log_once.cache_clear()
+    return calls
+
+
+@pytest.fixture
+def kernels_fail_to_build(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Kernels that raise what `t5kernels` raises when Triton cannot build them here; records calls."""
+    calls: list[str] = []
+
+    def fail(*args, **kwargs):
+        calls.append("triton")
+        raise t5kernels.KernelBuildError("the T5 Triton kernels could not be built or launched (OutOfResources)")
+
+    monkeypatch.setattr(t5kernels, "t5_attention", fail)
+    monkeypatch.delenv("T5_BACKEND", raising=False)
+    monkeypatch.setattr(backend, "_BUILD_FAILURES", {})
     backend._log_once.cache_clear()
     return calls
 
@@ -118,6 +135,48 @@ def test_t5_backend_environment_overrides_auto(env, calls, device, module, qkv, 
     monkeypatch.setenv("T5_BACKEND", env)
     module(*(x.to(device) for x in qkv), grid=GRID, text_tokens=TEXT)
     assert kernel_calls == calls
+
+
+def test_auto_takes_the_torch_path_for_good_when_the_kernels_fail_to_build(
+    device, module, qkv, kernels_fail_to_build, caplog
+):
+    module.to(device)
+    qkv = tuple(x.to(device) for x in qkv)
+    with caplog.at_level(logging.INFO, logger="t5core.backend"):
+        first, second = (module(*qkv, grid=GRID, text_tokens=TEXT) for _ in range(2))
+    assert kernels_fail_to_build == ["triton"]  # tried once, then remembered
+    reference = _reference(module, *qkv)
+    assert torch.equal(first, reference) and torch.equal(second, reference)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "running the torch path for these calls from now on" in warnings[0].message
+    assert "the kernels failed to build or launch here" in caplog.text
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_explicit_triton_raises_when_the_kernels_fail_to_build(
+    how, device, module, qkv, kernels_fail_to_build, monkeypatch
+):
+    module.to(device)
+    if how == "argument":
+        module.backend = "triton"
+    else:
+        monkeypatch.setenv("T5_BACKEND", "triton")
+    with pytest.raises(t5kernels.KernelBuildError, match="could not be built or launched"):
+        module(*(x.to(device) for x in qkv), grid=GRID, text_tokens=TEXT)
+
+
+def test_triton_build_errors_become_kernel_build_errors_naming_the_fix(device, monkeypatch):
+    fused = pytest.importorskip("t5kernels.fused")
+    out_of_resources = pytest.importorskip("triton.runtime.errors").OutOfResources
+
+    def launch(*args):
+        raise out_of_resources(232448, 101376, "shared memory")
+
+    monkeypatch.setattr(fused.T5AttentionFunction, "apply", launch)
+    q = torch.zeros(1, 12, 2, 16, device=device)
+    weights = tuple(torch.zeros(2, 16, 16, device=device) for _ in range(3))
+    with pytest.raises(t5kernels.KernelBuildError, match=r"forward on .*OutOfResources.*backend='torch'"):
+        t5kernels.t5_attention(q, q, q, weights=weights)
 
 
 def test_t5_backend_environment_does_not_override_an_explicit_backend(device, module, qkv, kernel_calls, monkeypatch):
@@ -200,7 +259,7 @@ def test_bad_input_raises_a_clear_error(overrides, k_dtype, error, match, device
 
 
 def test_kernels_api_is_exact():
-    assert t5kernels.__all__ == ["t5_attention", "unsupported_reason"]
+    assert t5kernels.__all__ == ["KernelBuildError", "t5_attention", "unsupported_reason"]
     assert t5kernels.unsupported_reason is support.unsupported_reason
 
 
