@@ -51,10 +51,10 @@ stage() {  # stage NAME LIMIT_S COMMAND...
 for name in "${@:-tests bench sweep}"; do
     for one in $name; do
         case $one in
-            tests) stage tests 220 python3 -m pytest tests/t5kernels -q -n 8 -p no:cacheprovider \
+            tests) stage tests 240 python3 -m pytest tests/t5kernels -q -n 12 -p no:cacheprovider \
                        --ignore=tests/t5kernels/test_bench_kernels.py ;;
-            bench) stage bench 170 python3 benchmarks/bench_kernels.py --backward --model-step --results-dir "$out" ;;
-            sweep) stage sweep 150 python3 benchmarks/sweep_kernels.py --budget-s 120 --results-dir "$out" ;;
+            bench) stage bench 160 python3 benchmarks/bench_kernels.py --backward --model-step --results-dir "$out" ;;
+            sweep) stage sweep 140 python3 benchmarks/sweep_kernels.py --budget-s 110 --results-dir "$out" ;;
             *) echo "unknown stage '$one' (tests, bench, sweep)" | tee -a "$log"; exit 2 ;;
         esac
     done
