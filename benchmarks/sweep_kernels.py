@@ -122,7 +122,7 @@ def print_sweep(sweep: str, rows: list[dict]) -> dict:
         summary.update(
             default_ms=default["median_ms"],
             best_ms=best["median_ms"],
-            best={key: best[key] for key in ("block_n", "map_block_n", "num_warps", "num_stages", "programs_per_sm")},
+            best={field.name: best[field.name] for field in dataclasses.fields(LaunchSettings)},
             speedup_over_default=default["median_ms"] / best["median_ms"],
         )
         print(f"  fastest: {settings_label(best)}, {summary['speedup_over_default']:.2f}x the default")

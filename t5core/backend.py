@@ -106,12 +106,13 @@ def attend(requested: str, q: Tensor, k: Tensor, v: Tensor, **arguments) -> Tens
             kernels here. Under `"auto"` that is logged as a warning and the torch path runs.
     """
     variant = arguments.get("variant", "swiglu")
+    requested = _requested(requested)
     if resolve_backend(requested, q, variant=variant) == "triton":
         package = _kernels()
         try:
             return package.t5_attention(q, k, v, **arguments)
         except package.KernelBuildError as error:
-            if _requested(requested) != "auto":
+            if requested != "auto":
                 raise
             _BUILD_FAILURES[_failure_key(q, variant)] = f"the kernels failed to build or launch here: {error}"
             logger.warning("T5 attention: %s; running the torch path for these calls from now on", error)
