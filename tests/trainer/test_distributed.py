@@ -95,10 +95,27 @@ def test_two_processes_match_one(inputs, single, mode, extra, interrupted):
     assert not list(out.rglob("*.tmp"))
 
 
+# Runs the trainer with its step-2 checkpoint save followed by a hang, so the test kills a run that
+# is still going at a known point (a tiny run can otherwise finish between two polls).
+_HANG_AFTER_STEP_2 = """
+import runpy, sys, time
+from trainer.checkpoint import CheckpointManager
+save = CheckpointManager.save
+def save_then_hang(self, step, **kwargs):
+    path = save(self, step, **kwargs)
+    if step == 2:
+        time.sleep(3600)
+    return path
+CheckpointManager.save = save_then_hang
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def test_killed_run_resumes_to_the_same_weights(inputs, single):
     out = inputs["root"] / "killed"
     flags = _flags(inputs, out, "--training.steps", "4", "--checkpoint.every", "1")
-    command = [sys.executable, RUN, *flags]
+    command = [sys.executable, "-c", _HANG_AFTER_STEP_2, RUN, *flags]
     process = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + TIMEOUT_S
