@@ -1,9 +1,14 @@
 """ComfyUI for the tests that need it (DESIGN.md section 6), and the tiny assets they run on.
 
 ComfyUI is not a PyPI package. It is looked up in this order: `COMFYUI_PATH`, an enclosing ComfyUI
-(this repository inside `custom_nodes/`), then `~/comfy/ComfyUI` (comfy-cli's default workspace).
-Nothing found: the tests skip with that explanation. A tree that is found but cannot be imported, or
-that does not load this node pack, is a failure with its reason.
+(this repository inside `custom_nodes/`), `~/comfy/ComfyUI` (comfy-cli's default workspace), then
+the project's own test tree `../shared/comfyui/0.33.0` beside the checkout (every project machine
+and CI has it; `.ci/run` names each tree through `COMFYUI_PATH`). Nothing found: the tests skip
+with that explanation. A tree that is found but cannot be imported, or that does not load this
+node pack, is a failure with its reason.
+
+The tests use only ComfyUI APIs that both the floor (0.3.64) and the current tree (0.33.0) have;
+where a signature changed between them, the helpers here adapt (`run_prompt`).
 
 ComfyUI runs on CUDA when torch sees a GPU and on CPU otherwise, from a throw-away base directory
 (its own `models/`, `output/`), with this repository loaded the way ComfyUI loads a custom node.
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 import logging
 import os
 import sys
@@ -26,6 +32,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TESTING_NODES = Path(__file__).resolve().parent / "nodes" / "comfy_testing_nodes.py"
 DEFAULT_TREE = Path.home() / "comfy" / "ComfyUI"
+SHARED_TREE = REPO_ROOT.parent / "shared" / "comfyui" / "0.33.0"
 
 
 @dataclass(frozen=True)
@@ -67,7 +74,7 @@ def locate() -> Path | None:
     for parent in REPO_ROOT.parents:
         if parent.name == "custom_nodes" and _is_tree(parent.parent):
             return parent.parent
-    return DEFAULT_TREE if _is_tree(DEFAULT_TREE) else None
+    return next((tree for tree in (DEFAULT_TREE, SHARED_TREE) if _is_tree(tree)), None)
 
 
 def _load_pack(nodes: ModuleType, path: Path) -> None:
@@ -129,7 +136,7 @@ def comfy_env(base_dir: Path) -> ComfyEnv:
     if root is None:
         pytest.skip(
             f"ComfyUI not found: set COMFYUI_PATH, put this repository in ComfyUI/custom_nodes/, or install "
-            f"ComfyUI at {DEFAULT_TREE} (comfy-cli's default workspace)."
+            f"ComfyUI at {DEFAULT_TREE} (comfy-cli's default workspace) or {SHARED_TREE}."
         )
     cpu = not torch.cuda.is_available()
     try:
@@ -176,6 +183,13 @@ class PromptResult:
     outputs: dict
 
 
+def _no_cache_args(executor_class: type) -> dict:
+    """0.33 added `cache_args` (RAM-pressure cache headroom in GiB, read on every run); 0.3.64 has none."""
+    if "cache_args" in inspect.signature(executor_class).parameters:
+        return {"cache_args": {"lru": 0, "ram": 0.0, "ram_inactive": 0.0}}
+    return {}
+
+
 def run_prompt(prompt: dict, prompt_id: str = "t5-test") -> PromptResult:
     """Validate and execute an API-format prompt with ComfyUI's own executor (no server, no cache)."""
     import execution
@@ -186,7 +200,7 @@ def run_prompt(prompt: dict, prompt_id: str = "t5-test") -> PromptResult:
         for node in node_errors.values():
             messages += [f"{item['message']}: {item['details']}" for item in node["errors"]]
         return PromptResult(False, messages, {})
-    executor = execution.PromptExecutor(_Server(), cache_type=False)
+    executor = execution.PromptExecutor(_Server(), cache_type=False, **_no_cache_args(execution.PromptExecutor))
     executor.execute(prompt, prompt_id, extra_data={}, execute_outputs=outputs)
     errors = [data["exception_message"] for event, data in executor.status_messages if event == "execution_error"]
     return PromptResult(executor.success, errors, executor.history_result.get("outputs", {}))

@@ -9,6 +9,7 @@ kernel tests set it again per test (tests/t5kernels/conftest.py), every other te
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -23,3 +24,11 @@ if not torch.cuda.is_available():
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = _previous
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that runs in ComfyUI (it uses the `comfy` fixture, directly or through another
+    fixture) as `comfyui`, so CI can run them again on the floor tree with `-m comfyui`."""
+    for item in items:
+        if "comfy" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.comfyui)

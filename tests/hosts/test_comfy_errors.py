@@ -23,29 +23,35 @@ comfy, transformer, checkpoint, model, arch, weights_all = (  # pytest fixtures
 
 
 def _tiny_flux(comfy):
+    """A non-SD3 MODEL: a one-block Flux with random weights."""
+    import dataclasses
+
+    import comfy.ldm.flux.model
     import comfy.model_management
     import comfy.model_patcher
     import comfy.supported_models
 
-    config = comfy.supported_models.Flux(
-        dict(
-            image_model="flux",
-            in_channels=16,
-            out_channels=16,
-            vec_in_dim=8,
-            context_in_dim=8,
-            hidden_size=32,
-            mlp_ratio=2.0,
-            num_heads=2,
-            depth=1,
-            depth_single_blocks=1,
-            axes_dim=[4, 6, 6],
-            theta=10000,
-            patch_size=2,
-            qkv_bias=True,
-            guidance_embed=False,
-        )
+    unet_config = dict(
+        image_model="flux",
+        in_channels=16,
+        out_channels=16,
+        vec_in_dim=8,
+        context_in_dim=8,
+        hidden_size=32,
+        mlp_ratio=2.0,
+        num_heads=2,
+        depth=1,
+        depth_single_blocks=1,
+        axes_dim=[4, 6, 6],
+        theta=10000,
+        patch_size=2,
+        qkv_bias=True,
+        guidance_embed=False,
     )
+    # ComfyUI 0.33 added the required FluxParams field txt_ids_dims (which text-id axes carry positions).
+    if "txt_ids_dims" in {field.name for field in dataclasses.fields(comfy.ldm.flux.model.FluxParams)}:
+        unet_config["txt_ids_dims"] = []
+    config = comfy.supported_models.Flux(unet_config)
     return comfy.model_patcher.ModelPatcher(
         config.get_model({}), comfy.model_management.get_torch_device(), comfy.model_management.unet_offload_device()
     )

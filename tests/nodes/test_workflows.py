@@ -84,10 +84,11 @@ def _check_sockets(node: dict, node_class) -> None:
         assert slot["type"] == expected, (
             f"node {node['id']} input {slot['name']} is {slot['type']}, the schema says {expected}"
         )
+    # A node may gain outputs in later ComfyUI versions (SaveImage returns its images since 0.3x), and
+    # the frontend adds the missing slots when it loads the workflow: the saved ones must be a prefix.
     returns = list(node_class.RETURN_TYPES)
-    assert [slot["type"] for slot in node["outputs"]] == returns, (
-        f"node {node['id']} {node['type']} outputs differ from {returns}"
-    )
+    saved = [slot["type"] for slot in node["outputs"]]
+    assert saved == returns[: len(saved)], f"node {node['id']} {node['type']} outputs {saved} differ from {returns}"
     required = node_class.INPUT_TYPES().get("required", {})
     linked = {slot["name"] for slot in node["inputs"] if slot.get("link") is not None}
     for name, spec in required.items():
