@@ -175,13 +175,41 @@ def _read(path: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
     return metadata, tensors
 
 
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The dtypes a T5 weights file may store (T5 parameters and `base.*` tensors alike)."""
+
+
+def _check_values(path: Path, key: str, tensor: Tensor) -> None:
+    """Refuse a tensor that would load quietly and then ruin every image: a dtype that is not a
+    float the models compute in (int, bool, fp8, fp64), or any NaN or infinite value."""
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise _fail(
+            path,
+            f"tensor {key!r} is {str(tensor.dtype).removeprefix('torch.')}; T5 weights files hold float32, "
+            "float16 or bfloat16 tensors.",
+            "The file was edited or written by another tool; re-export it with t5core.weights.save or trainer/run.py.",
+        )
+    finite = torch.isfinite(tensor)
+    if not bool(finite.all()):
+        nan = int(torch.isnan(tensor).sum())
+        inf = tensor.numel() - int(finite.sum()) - nan
+        found = ", ".join(f"{count} {what}" for count, what in ((nan, "NaN"), (inf, "infinite")) if count)
+        raise _fail(
+            path,
+            f"tensor {key!r} holds {found} values (of {tensor.numel()}), which would turn every image to noise.",
+            "Training diverged or the file is damaged: export again from an earlier checkpoint "
+            "(trainer/run.py keeps them), with a lower learning rate if the loss went to nan.",
+        )
+
+
 def load(path: str | os.PathLike[str]) -> T5Weights:
     """Read and check a T5 weights file: metadata, and every tensor's presence and shape.
 
     Raises:
         FileNotFoundError: no such file.
         T5WeightsError: not a T5 weights file, a newer format, corrupt or truncated, missing or
-            misshapen tensors, or tensors that do not belong.
+            misshapen tensors, tensors that do not belong, or tensors (T5 or `base.*`) that are not
+            float32 / float16 / bfloat16 or hold NaN or infinite values.
     """
     path = Path(path)
     if not path.is_file():
@@ -209,6 +237,7 @@ def load(path: str | os.PathLike[str]) -> T5Weights:
     modules: dict[str, dict[str, Tensor]] = {name: {} for name in layers}
     base: dict[str, Tensor] = {}
     for key, tensor in tensors.items():
+        _check_values(path, key, tensor)
         if key.startswith(BASE_PREFIX):
             base[key[len(BASE_PREFIX) :]] = tensor
             continue

@@ -140,3 +140,23 @@ def test_base_tensors_that_do_not_fit_the_model_are_refused(comfy, model, arch):
         r"is \(3, 3\), the model's is \(384, 128\)",
     ):
         linearize(model, path)
+
+
+def test_a_base_tensor_for_a_buffer_is_refused(comfy, model, arch, checkpoint):
+    from safetensors.torch import load_file
+
+    from t5core.hosts.comfy import linearize
+
+    pos_embed = load_file(str(checkpoint))["model.diffusion_model.pos_embed"]
+    path = comfy_tiny.write_t5_weights(
+        comfy.models_dir / "t5_linearize" / "buffer_base.safetensors",
+        arch,
+        ("blocks.1.attn",),
+        base={"pos_embed": pos_embed},
+    )
+    before = comfy_tiny.snapshot(model)
+    with pytest.raises(
+        T5WeightsError, match=r"buffer_base\.safetensors: base tensor 'pos_embed' is not a trainable weight"
+    ):
+        linearize(model, path)
+    assert comfy_tiny.snapshot(model) == before

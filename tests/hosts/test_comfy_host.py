@@ -33,13 +33,16 @@ def test_arch_of_reads_the_comfy_model(arch):
 
 def test_joint_forward_without_t5_reproduces_the_stock_block_bit_for_bit(model):
     """Guards against upstream drift of `_block_mixing`: our orchestration with softmax kept must equal ComfyUI's."""
-    from t5core.hosts.comfy import JointForward
+    import comfy.patcher_extension
+
+    from t5core.hosts.comfy import KEY, CallContext, JointForward
 
     inputs = comfy_tiny.inputs()
     reference = comfy_tiny.run(model, inputs)
     patched = model.clone()
-    for index, block in enumerate(model.get_model_object("diffusion_model").joint_blocks):
-        patched.add_object_patch(f"diffusion_model.joint_blocks.{index}.forward", JointForward(block))
+    for index in range(len(model.get_model_object("diffusion_model").joint_blocks)):
+        patched.add_object_patch(f"diffusion_model.joint_blocks.{index}.forward", JointForward(index))
+    patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, KEY, CallContext.wrapper)
     assert torch.equal(comfy_tiny.run(patched, inputs), reference)
 
 
@@ -62,7 +65,13 @@ def test_parity_with_the_diffusers_host(comfy, model, transformer, arch, checkpo
     if with_base:
         state = load_file(str(checkpoint))
         generator = torch.Generator().manual_seed(5)
-        keys = ("joint_blocks.1.x_block.attn.qkv.weight", "joint_blocks.0.x_block.attn2.proj.weight")
+        keys = (
+            "joint_blocks.1.x_block.attn.qkv.weight",
+            "joint_blocks.0.x_block.attn2.proj.weight",
+            # plain torch parameters (mmdit's RMSNorm), which ComfyUI's weight patches do not always reach
+            "joint_blocks.1.x_block.attn.ln_q.weight",
+            "joint_blocks.0.context_block.attn.ln_k.weight",
+        )
         base = {
             key: state[f"model.diffusion_model.{key}"]
             + 0.05 * torch.randn(state[f"model.diffusion_model.{key}"].shape, generator=generator)
@@ -98,9 +107,13 @@ def test_removing_the_patch_restores_bit_identical_output_and_leaves_the_origina
 
     generator = torch.Generator().manual_seed(2)
     original = comfy_tiny.checkpoint_state(checkpoint)
-    key = "joint_blocks.1.x_block.attn.qkv.weight"
-    weight = original[f"diffusion_model.{key}"]
-    base = {key: weight + torch.randn(weight.shape, generator=generator)}
+    keys = ("joint_blocks.1.x_block.attn.qkv.weight", "joint_blocks.1.x_block.attn.ln_k.weight")
+    base = {
+        key: original[f"diffusion_model.{key}"]
+        + torch.randn(original[f"diffusion_model.{key}"].shape, generator=generator)
+        for key in keys
+    }
+    norm = model.get_model_object("diffusion_model").joint_blocks[1].x_block.attn.ln_k
     path = comfy_tiny.write_t5_weights(
         comfy.models_dir / "t5_linearize" / "undo.safetensors", arch, arch.attention_modules(), base=base
     )
@@ -119,6 +132,7 @@ def test_removing_the_patch_restores_bit_identical_output_and_leaves_the_origina
     assert all(torch.equal(after_state[name], tensor) for name, tensor in original.items())
     blocks = model.get_model_object("diffusion_model").joint_blocks
     assert all(type(block).forward is block.forward.__func__ for block in blocks)
+    assert blocks[1].x_block.attn.ln_k is norm
     assert comfy_host.converted_layers(model) == ()
 
 
@@ -163,19 +177,44 @@ def test_any_aspect_ratio_and_text_length_runs(model, weights_all, latent_hw, te
         pytest.param((13, 21), (2, 2), (7, 11), id="odd-latent-padded"),
     ],
 )
-def test_grid_wrapper_passes_the_token_grid_of_each_call(latent_hw, patch, grid):
-    from t5core.hosts.comfy import KEY, _GridWrapper
+def test_the_call_context_carries_each_calls_token_grid_and_the_running_blocks(latent_hw, patch, grid):
+    from types import SimpleNamespace
+
+    from t5core.hosts.comfy import KEY, CallContext
 
     seen = {}
+    blocks = torch.nn.ModuleList([torch.nn.Identity()])
+    diffusion = SimpleNamespace(x_embedder=SimpleNamespace(patch_size=patch), joint_blocks=blocks)
 
     def executor(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs):
         seen.update(transformer_options)
         return x
 
+    executor.class_obj = SimpleNamespace(diffusion_model=diffusion)
     options = {"cond_or_uncond": [1, 0]}
-    _GridWrapper(patch)(executor, torch.zeros(2, 16, *latent_hw), None, None, None, None, options)
-    assert seen[KEY] == grid
+    CallContext.wrapper(executor, torch.zeros(2, 16, *latent_hw), None, None, None, None, options)
+    assert seen[KEY] == CallContext(grid, blocks) and seen[KEY].blocks is blocks
     assert KEY not in options
+
+
+def test_the_patches_follow_a_model_that_comfyui_re_created(comfy, model, checkpoint, weights_all):
+    """ComfyUI 0.33 can run a clone on a re-created model (`clone(disable_dynamic=True)` for hooks or
+    torch.compile): the object patches are the same objects, the blocks are the new model's."""
+    import comfy.sd
+
+    from t5core.hosts.comfy import linearize
+
+    recreated = comfy.sd.load_diffusion_model(str(checkpoint))
+    with torch.no_grad():
+        recreated.get_model_object("diffusion_model").joint_blocks[1].x_block.mlp.fc2.weight.mul_(1.5)
+    expected = comfy_tiny.run(linearize(recreated, weights_all), comfy_tiny.inputs())
+
+    patched = linearize(model, weights_all)
+    moved = patched.clone()
+    moved.model = recreated.model
+    out = comfy_tiny.run(moved, comfy_tiny.inputs())
+    assert not torch.equal(out, comfy_tiny.run(patched, comfy_tiny.inputs()))
+    assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")])
@@ -223,3 +262,24 @@ def test_full_size_resolutions_run_with_every_attention_converted(large_canvas_m
     out = comfy_tiny.run(linearize(large_canvas_model, weights_all), inputs)
     assert out.shape == (1, 16, *latent_hw)
     assert torch.isfinite(out).all()
+
+
+def test_the_t5_modules_get_a_patcher_of_the_models_kind(model, weights_all, monkeypatch):
+    """Under Dynamic VRAM (ComfyUI 0.33 on NVIDIA) the T5 patcher must be dynamic too: one plain
+    patcher among the models to load makes ComfyUI free memory the old way, unloading the model."""
+    import comfy.model_patcher
+
+    from t5core.hosts.comfy import KEY, linearize
+
+    class Dynamic(comfy.model_patcher.ModelPatcher):
+        pass
+
+    monkeypatch.setattr(comfy.model_patcher, "ModelPatcherDynamic", Dynamic, raising=False)
+    plain = linearize(model, weights_all).additional_models[KEY][0]
+    assert type(plain) is comfy.model_patcher.ModelPatcher
+
+    dynamic_model = model.clone()
+    monkeypatch.setattr(dynamic_model, "is_dynamic", lambda: True, raising=False)
+    t5 = linearize(dynamic_model, weights_all).additional_models[KEY][0]
+    assert type(t5) is Dynamic
+    assert (t5.load_device, t5.offload_device) == (model.load_device, model.offload_device)

@@ -1,6 +1,7 @@
 """The T5 weights file: round trip, metadata, atomic writes and every refusal."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,53 @@ def test_a_stray_tensor_is_named(tmp_path):
     rewrite(path, replace={"blocks.1.attn.w1": torch.zeros(2, 8, 8)})
     with pytest.raises(t5w.T5WeightsError, match="blocks.1.attn.w1"):
         t5w.load(path)
+
+
+def _poisoned(value: float) -> torch.Tensor:
+    tensor = torch.randn(2, 8, 8)
+    tensor[1, 3, 5] = value
+    return tensor
+
+
+@pytest.mark.parametrize(
+    "key, tensor, match",
+    [
+        pytest.param("blocks.2.attn.w1", _poisoned(float("nan")), r"holds 1 NaN values \(of 128\)", id="nan"),
+        pytest.param("blocks.2.attn.w2", _poisoned(float("inf")), r"holds 1 infinite values", id="inf"),
+        pytest.param("blocks.2.attn.w3", _poisoned(-float("inf")), r"holds 1 infinite values", id="minus-inf"),
+        pytest.param("blocks.0.attn2.w1", torch.zeros(2, 8, 8, dtype=torch.int32), "is int32", id="int32"),
+        pytest.param("blocks.0.attn2.w1", torch.zeros(2, 8, 8, dtype=torch.bool), "is bool", id="bool"),
+        pytest.param("blocks.0.attn2.w2", torch.zeros(2, 8, 8, dtype=torch.float64), "is float64", id="float64"),
+        pytest.param("base.joint_blocks.0.x_block.attn.qkv.weight", _poisoned(float("nan")), "NaN", id="base-nan"),
+        pytest.param(
+            "base.joint_blocks.0.x_block.attn.qkv.weight", torch.ones(4, dtype=torch.int64), "is int64", id="base-int"
+        ),
+        pytest.param(
+            "base.joint_blocks.0.x_block.attn.qkv.weight",
+            torch.zeros(4).to(torch.float8_e4m3fn),
+            "is float8_e4m3fn",
+            id="base-fp8",
+        ),
+    ],
+)
+def test_tensors_that_would_ruin_images_are_refused(tmp_path, key, tensor, match):
+    path, _ = write(tmp_path)
+    rewrite(path, replace={key: tensor})
+    with pytest.raises(t5w.T5WeightsError) as error:
+        t5w.load(path)
+    message = str(error.value)
+    assert message.startswith("t5.safetensors: ") and repr(key) in message
+    assert re.search(match, message), message
+    assert "re-export" in message or "export again" in message
+
+
+def test_half_precision_files_load(tmp_path):
+    modules = make_modules()
+    for module in modules.values():
+        module.to(torch.bfloat16)
+    path = t5w.save(tmp_path / "bf16.safetensors", modules, arch=ARCH, config=T5Config("swiglu", 1.0, True, ()))
+    loaded = t5w.load(path)
+    assert loaded.modules["blocks.2.attn"]["w1"].dtype == torch.bfloat16
 
 
 def test_another_architecture_is_refused_with_the_difference(tmp_path):
