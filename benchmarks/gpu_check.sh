@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Every GPU check of the Triton kernels in one run, sized for a short device lease (at most 9 minutes
-# of stage limits, inside the device tool's 10-minute command limit):
+# Every GPU check in one run, sized for a short device lease (at most 575 s of stage limits, inside
+# the device tool's 10-minute command limit):
 #
 #   tests  pytest tests/t5kernels on CUDA: SD3.5 shapes, bf16, bit-repeatability, sm_80/90 compile
 #   bench  benchmarks/bench_kernels.py --backward --model-step  -> kernels_cuda.json
 #   sweep  benchmarks/sweep_kernels.py (launch settings at 2K)   -> kernels_sweep_cuda.json
+#   comfy  benchmarks/comfy_dynamic_vram.py: a real ComfyUI 0.33 server on CUDA (Dynamic VRAM), T5 on,
+#          T5 off, a LoRA after the node, the same prompt twice     -> comfy_dynamic_vram_cuda.json
 #
-#   bash benchmarks/gpu_check.sh                 # all three, in that order
+#   bash benchmarks/gpu_check.sh                 # all four, in that order
 #   bash benchmarks/gpu_check.sh bench sweep     # some of them
 #
 # Logs and JSON go to $OUT (the device tool's folder; else benchmarks/results/gpu_check). Each stage
@@ -19,6 +21,14 @@
 #       --platform manylinux2014_x86_64 -d .whl diffusers==0.42.1
 # and run with carry [".whl"]. Without it the bench stage fails at the model step, after its
 # attention table.
+#
+# The comfy stage runs the ComfyUI tree in $COMFYUI_TREE (default .comfyui/0.33.0, a copy of
+# ../shared/comfyui/0.33.0: `mkdir -p .comfyui && cp -r ../shared/comfyui/0.33.0 .comfyui/`, with
+# `echo /.comfyui/ >> .git/info/exclude`; 31 MB) and needs ComfyUI 0.33.0's requirements that the
+# device image lacks, as wheels in .whl (the same pip download, one NAME==VERSION each; at least
+# comfyui-frontend-package, comfy-aimdo, comfy-kitchen, aiohttp and its deps, torchsde, einops,
+# av, alembic, SQLAlchemy, simpleeval, blake3: compare with the image's pip list in the device
+# tool's KINDS.md). Carry [".whl", ".comfyui"]. Not yet tried on a device: no GPU was lent so far.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/gpu_check}
@@ -48,14 +58,16 @@ stage() {  # stage NAME LIMIT_S COMMAND...
     [ "$rc" -eq 0 ] || failed=1
 }
 
-for name in "${@:-tests bench sweep}"; do
+for name in "${@:-tests bench sweep comfy}"; do
     for one in $name; do
         case $one in
-            tests) stage tests 240 python3 -m pytest tests/t5kernels -q -n 12 -p no:cacheprovider \
+            tests) stage tests 230 python3 -m pytest tests/t5kernels -q -n 12 -p no:cacheprovider \
                        --ignore=tests/t5kernels/test_bench_kernels.py ;;
-            bench) stage bench 160 python3 benchmarks/bench_kernels.py --backward --model-step --results-dir "$out" ;;
-            sweep) stage sweep 140 python3 benchmarks/sweep_kernels.py --budget-s 110 --results-dir "$out" ;;
-            *) echo "unknown stage '$one' (tests, bench, sweep)" | tee -a "$log"; exit 2 ;;
+            bench) stage bench 150 python3 benchmarks/bench_kernels.py --backward --model-step --results-dir "$out" ;;
+            sweep) stage sweep 120 python3 benchmarks/sweep_kernels.py --budget-s 95 --results-dir "$out" ;;
+            comfy) stage comfy 75 python3 -m benchmarks.comfy_dynamic_vram --comfyui "${COMFYUI_TREE:-.comfyui/0.33.0}" \
+                       --results-dir "$out" ;;
+            *) echo "unknown stage '$one' (tests, bench, sweep, comfy)" | tee -a "$log"; exit 2 ;;
         esac
     done
 done

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from t5core.config import BaseArch
 from tests import comfy_env, comfy_tiny
+from tests.comfy_prompts import sampling_prompt
 from tests.tiny_models import tiny_transformer
 
 ARCH = BaseArch(depth=2, heads=2, head_dim=64, dual_attention_layers=(0,), qk_norm=True)
@@ -37,41 +38,9 @@ def assets(comfy):
 
 
 def _prompt(*, weights: str = "tiny_e2e.safetensors", layers: str = "", enabled: bool = True, prefix: str) -> dict:
-    """CheckpointLoaderSimple -> ModelSamplingSD3 -> T5 Linearize -> KSampler (CFG, text of two lengths,
-    non-square batch-2 latent) -> SaveLatent."""
-    return {
-        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "tiny_sd35m_e2e.safetensors"}},
-        "2": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["1", 0], "shift": 3.0}},
-        "3": {
-            "class_type": "T5Linearize",
-            "inputs": {"model": ["2", 0], "weights": weights, "layers": layers, "enabled": enabled},
-        },
-        "4": {
-            "class_type": "T5TestConditioning",
-            "inputs": {"seed": 1, "tokens": 154, "context_dim": 32, "pooled_dim": 64},
-        },
-        "5": {
-            "class_type": "T5TestConditioning",
-            "inputs": {"seed": 2, "tokens": 77, "context_dim": 32, "pooled_dim": 64},
-        },
-        "6": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 160, "height": 96, "batch_size": 2}},
-        "7": {
-            "class_type": "KSampler",
-            "inputs": {
-                "model": ["3", 0],
-                "seed": 42,
-                "steps": 2,
-                "cfg": 4.5,
-                "sampler_name": "euler",
-                "scheduler": "sgm_uniform",
-                "positive": ["4", 0],
-                "negative": ["5", 0],
-                "latent_image": ["6", 0],
-                "denoise": 1.0,
-            },
-        },
-        "8": {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": prefix}},
-    }
+    return sampling_prompt(
+        checkpoint="tiny_sd35m_e2e.safetensors", weights=weights, layers=layers, enabled=enabled, prefix=prefix
+    )
 
 
 def _latents(comfy, result: comfy_env.PromptResult) -> torch.Tensor:

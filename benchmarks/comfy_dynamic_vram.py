@@ -1,0 +1,164 @@
+"""T5 Linearize in a real ComfyUI server, as users run it: on CUDA that is ComfyUI 0.33's Dynamic VRAM.
+
+    python -m benchmarks.comfy_dynamic_vram                    # the tree tests/comfy_env.py finds
+    python -m benchmarks.comfy_dynamic_vram --comfyui PATH --results-dir DIR
+
+Starts `main.py` of the tree (on CUDA with its defaults, so 0.33 turns Dynamic VRAM on; `--cpu`
+without a GPU) with this pack and the testing nodes, on a tiny SD3.5-Medium-like checkpoint, a T5
+weights file whose `base.*` tensors include a qkv weight (a ComfyUI layer) and a q/k RMSNorm scale (a
+plain torch parameter), and a LoRA. ComfyUI's cache is off (`--cache-none`), so every prompt runs
+whole. Prompts, in order: softmax (T5 off), T5 on, T5 on again, T5 with a LoRA after the node, T5
+off again. Checks, each recorded pass/fail with the evidence:
+
+* dynamic_vram: the server log says Dynamic VRAM is on (expected on CUDA only);
+* t5_changes_the_latents, lora_after_the_node_applies: the patches take effect;
+* same_prompt_is_bit_identical, undo_is_bit_identical: T5 on twice agree exactly, and T5 off after
+  T5 on gives the first softmax latents bit for bit;
+* finite_latents; no_per_call_weight_copy: the T5 weights were loaded on the device, never copied
+  per call; no_fallback_memory_free: no "Non dynamic memory free" (a plain patcher among dynamic ones).
+
+Prints a table and writes `comfy_dynamic_vram_<device>.json`; exits 1 if a check that applies failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from benchmarks.timing import RESULTS_DIR, header_line, write_json
+from t5core.config import BaseArch
+from tests import comfy_env, comfy_tiny
+from tests.comfy_prompts import sampling_prompt
+from tests.comfy_server import TESTING_NODES, ComfyServer
+from tests.tiny_models import tiny_transformer
+
+ARCH = BaseArch(depth=2, heads=2, head_dim=64, dual_attention_layers=(0,), qk_norm=True)
+CHECKPOINT, WEIGHTS, LORA = "tiny_sd35m.safetensors", "tiny_t5_base.safetensors", "tiny_lora.safetensors"
+QKV = "joint_blocks.1.x_block.attn.qkv.weight"
+NORM = "joint_blocks.1.x_block.attn.ln_q.weight"
+
+
+def write_assets(models: Path) -> None:
+    """The checkpoint, a T5 file with `base.*` for QKV and NORM, and a rank-4 LoRA on QKV."""
+    checkpoint = comfy_tiny.write_checkpoint(models / "checkpoints" / CHECKPOINT, tiny_transformer(comfy_tiny.PRESET))
+    state = load_file(str(checkpoint))
+    generator = torch.Generator().manual_seed(9)
+    base = {
+        key: state[f"model.diffusion_model.{key}"]
+        + 0.2 * torch.randn(state[f"model.diffusion_model.{key}"].shape, generator=generator)
+        for key in (QKV, NORM)
+    }
+    comfy_tiny.write_t5_weights(models / "t5_linearize" / WEIGHTS, ARCH, ARCH.attention_modules(), base=base)
+    rows, columns = state[f"model.diffusion_model.{QKV}"].shape
+    lora = {
+        f"diffusion_model.{QKV.removesuffix('.weight')}.lora_up.weight": 0.3
+        * torch.randn(rows, 4, generator=generator),
+        f"diffusion_model.{QKV.removesuffix('.weight')}.lora_down.weight": 0.3
+        * torch.randn(4, columns, generator=generator),
+    }
+    (models / "loras").mkdir(parents=True, exist_ok=True)
+    save_file(lora, str(models / "loras" / LORA))
+
+
+def run_prompts(server: ComfyServer) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Each prompt's latents and wall seconds, in the order of the module docstring."""
+    runs = {
+        "softmax": dict(enabled=False),
+        "t5": {},
+        "t5_again": {},
+        "t5_lora_after": dict(lora=LORA),
+        "softmax_after": dict(enabled=False),
+    }
+    latents, seconds = {}, {}
+    for name, options in runs.items():
+        start = time.perf_counter()
+        prompt = sampling_prompt(checkpoint=CHECKPOINT, weights=WEIGHTS, prefix=name, steps=4, **options)
+        entry = server.wait(server.queue(prompt))
+        seconds[name] = time.perf_counter() - start
+        saved = entry["outputs"]["8"]["latents"][0]
+        path = server.base_dir / "output" / saved["subfolder"] / saved["filename"]
+        latents[name] = load_file(str(path))["latent_tensor"]
+    return latents, seconds
+
+
+def checks(latents: dict[str, torch.Tensor], log: str, cuda: bool) -> list[dict]:
+    """The module docstring's checks; `applies` is False for dynamic_vram on CPU."""
+
+    def row(name: str, ok: bool, evidence: str, applies: bool = True) -> dict:
+        return {"check": name, "ok": bool(ok), "applies": applies, "evidence": evidence}
+
+    def delta(a: str, b: str) -> float:
+        return float((latents[a] - latents[b]).abs().max())
+
+    dynamic_line = "DynamicVRAM support detected and enabled"
+    return [
+        row("dynamic_vram", dynamic_line in log, f"log has {dynamic_line!r}: {dynamic_line in log}", applies=cuda),
+        row("finite_latents", all(bool(t.isfinite().all()) for t in latents.values()), "every prompt"),
+        row(
+            "t5_changes_the_latents", delta("t5", "softmax") > 1e-3, f"max |t5 - softmax| {delta('t5', 'softmax'):.3g}"
+        ),
+        row(
+            "same_prompt_is_bit_identical",
+            delta("t5", "t5_again") == 0.0,
+            f"max |t5 - t5_again| {delta('t5', 't5_again'):.3g}",
+        ),
+        row(
+            "lora_after_the_node_applies",
+            delta("t5_lora_after", "t5") > 1e-3,
+            f"max |lora - t5| {delta('t5_lora_after', 't5'):.3g}",
+        ),
+        row(
+            "undo_is_bit_identical",
+            delta("softmax_after", "softmax") == 0.0,
+            f"max |softmax_after - softmax| {delta('softmax_after', 'softmax'):.3g}",
+        ),
+        row("no_per_call_weight_copy", "copying them to" not in log, "no 'copying them to ... per call' log line"),
+        row("no_fallback_memory_free", "Non dynamic memory free" not in log, "no 'Non dynamic memory free' log line"),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--comfyui", type=Path, default=None, help="ComfyUI tree (default: as tests/comfy_env.py finds it)"
+    )
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    tree = args.comfyui or comfy_env.locate()
+    if tree is None:
+        parser.error("no ComfyUI tree found: pass --comfyui or set COMFYUI_PATH")
+    cuda = torch.cuda.is_available()
+    print(header_line())
+    with tempfile.TemporaryDirectory(prefix="t5-dynamic-vram-") as temp:
+        base_dir = Path(temp)
+        write_assets(base_dir / "models")
+        with ComfyServer.start(
+            tree, base_dir, custom_nodes=(TESTING_NODES,), args=("--cache-none",), cpu=not cuda
+        ) as server:
+            latents, seconds = run_prompts(server)
+            log = server.log()
+    rows = checks(latents, log, cuda)
+    print(f"{'check':<30} {'result':<6} evidence")
+    for item in rows:
+        result = ("ok" if item["ok"] else "FAIL") if item["applies"] else "n/a"
+        print(f"{item['check']:<30} {result:<6} {item['evidence']}")
+    print("prompt seconds: " + ", ".join(f"{name} {value:.2f}" for name, value in seconds.items()))
+    device = "cuda" if cuda else "cpu"
+    path = write_json(
+        f"comfy_dynamic_vram_{device}",
+        rows,
+        {"comfyui": str(tree), "prompt_seconds": seconds, "log_tail": log.splitlines()[-60:]},
+        directory=args.results_dir,
+    )
+    print(f"wrote {path}")
+    return 0 if all(item["ok"] for item in rows if item["applies"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

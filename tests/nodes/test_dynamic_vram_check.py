@@ -1,0 +1,27 @@
+"""The GPU session's ComfyUI check (`python -m benchmarks.comfy_dynamic_vram`) runs end to end on CPU,
+in a real ComfyUI server, so the first GPU run finds it working: every check that applies on CPU
+passes (Dynamic VRAM itself needs CUDA and is recorded as not applying).
+
+Runs when ComfyUI is found (tests/comfy_env.py), skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import comfy_dynamic_vram
+from tests import comfy_env
+
+
+def test_the_dynamic_vram_check_passes_on_cpu(tmp_path):
+    tree = comfy_env.locate()
+    if tree is None:
+        pytest.skip("ComfyUI not found: set COMFYUI_PATH (see tests/comfy_env.py).")
+    assert comfy_dynamic_vram.main(["--comfyui", str(tree), "--results-dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "comfy_dynamic_vram_cpu.json").read_text())
+    results = {row["check"]: (row["ok"], row["applies"]) for row in report["rows"]}
+    assert results.pop("dynamic_vram") == (False, False)
+    assert all(ok and applies for ok, applies in results.values()), results
+    assert set(report["meta"]["prompt_seconds"]) == {"softmax", "t5", "t5_again", "t5_lora_after", "softmax_after"}
