@@ -26,7 +26,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.timing import header_line, time_fn, write_json  # noqa: E402
+from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, time_fn, write_json  # noqa: E402
 from t5core import T5Attention, T5Config  # noqa: E402
 from t5core.layers import resolve_layers  # noqa: E402
 from t5core.weights import save as save_t5_weights  # noqa: E402
@@ -134,13 +134,13 @@ def main() -> None:
     from t5core.hosts.comfy import arch_of, converted_layers, linearize
 
     model = build_model(comfy, args.blocks, dtype)
-    arch = arch_of(model.get_model_object("diffusion_model"))
+    arch = arch_of(model)
     print(header_line())
     print(
         f"model: ComfyUI MMDiT, SD3.5 Medium config, {args.blocks} of 24 blocks, {args.dtype}; one euler step, "
         f"CFG batch 2, {TEXT_TOKENS} text tokens; softmax = SDPA"
     )
-    print(f"{'size':>9} {'path':>6} {'modules':>8} {'median ms':>10} {'p20-p80 ms':>19} {'vs softmax':>10}")
+    print(f"{'size':>9} {'path':>6} {'modules':>8} {'median ms':>10} {'p20-p80 ms':>19} {'speedup':>10}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         variants = {"softmax": model}
@@ -160,7 +160,7 @@ def main() -> None:
                         continue
                 timing = time_fn(run, warmup=args.warmup, reps=args.reps)
                 baseline = timing["median_ms"] if name == "softmax" else baseline
-                ratio = timing["median_ms"] / baseline
+                ratio = speedup(baseline, timing["median_ms"])
                 spread = f"{timing['p20_ms']:.0f}-{timing['p80_ms']:.0f}"
                 median = timing["median_ms"]
                 print(f"{size:>4}x{size:<4} {name:>6} {modules:>8} {median:>10.0f} {spread:>19} {ratio:>9.2f}x")
@@ -170,10 +170,11 @@ def main() -> None:
                         "path": name,
                         "modules": modules,
                         **timing,
-                        "ratio_vs_softmax": ratio,
+                        "speedup_vs_softmax": ratio,
                         "status": "ok",
                     }
                 )
+    print(f"speedup = {SPEEDUP_VS_SOFTMAX}")
     meta = {
         "blocks": args.blocks,
         "dtype": args.dtype,

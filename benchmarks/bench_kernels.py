@@ -34,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import t5kernels  # noqa: E402
-from benchmarks.timing import RESULTS_DIR, header_line, time_fn, write_json  # noqa: E402
+from benchmarks.timing import RESULTS_DIR, SPEEDUP_VS_SOFTMAX, header_line, speedup, time_fn, write_json  # noqa: E402
 from t5core import T5Attention  # noqa: E402
 from t5core.ttt import t5_attention_ref  # noqa: E402
 
@@ -164,9 +164,9 @@ def attention_row(side_h: int, side_w: int, args: argparse.Namespace) -> dict:
         if args.backward:
             row[f"{path}_fwdbwd_median_ms"] = time_forward_backward(case, path, args)
     for path in paths[1:]:
-        row[f"{path}_over_sdpa"] = row[f"{path}_median_ms"] / row["sdpa_median_ms"]
+        row[f"{path}_speedup_vs_softmax"] = speedup(row["sdpa_median_ms"], row[f"{path}_median_ms"])
     if "triton" in paths:
-        row["torch_over_triton"] = row["torch_median_ms"] / row["triton_median_ms"]
+        row["triton_speedup_vs_torch"] = speedup(row["torch_median_ms"], row["triton_median_ms"])
         row["bytes"] = 5 * case.q.numel() * case.q.element_size()
         row["triton_gbs"] = row["bytes"] / row["triton_median_ms"] / 1e6
     return row
@@ -228,7 +228,9 @@ def model_rows(args: argparse.Namespace) -> list[dict]:
                     row[f"{spec}_{backend}_median_ms"] = time_fn(step, warmup=args.warmup, reps=args.reps)["median_ms"]
                 finally:
                     handle.remove()
-                row[f"{spec}_{backend}_speedup"] = row["softmax_median_ms"] / row[f"{spec}_{backend}_median_ms"]
+                row[f"{spec}_{backend}_speedup_vs_softmax"] = speedup(
+                    row["softmax_median_ms"], row[f"{spec}_{backend}_median_ms"]
+                )
             if "triton" in outputs:
                 error = relative_rms(outputs["torch"], outputs["triton"])
                 row[f"{spec}_triton_rel_err"] = error
@@ -248,8 +250,8 @@ def _x(row: dict, key: str) -> str:
 
 def print_attention(rows: list[dict], args: argparse.Namespace, peak: float | None) -> None:
     print(
-        f"{'grid':>9} {'N':>6} {'sdpa ms':>9} {'torch ms':>9} {'triton ms':>9} {'torch/sdpa':>10} "
-        f"{'triton/sdpa':>11} {'torch/triton':>12} {'GB/s':>7} {'% peak':>6} {'x mem-bound':>11}"
+        f"{'grid':>9} {'N':>6} {'sdpa ms':>9} {'torch ms':>9} {'triton ms':>9} {'torch speedup':>13} "
+        f"{'triton speedup':>14} {'Triton vs torch':>15} {'GB/s':>7} {'% peak':>6} {'x mem-bound':>11}"
     )
     for row in rows:
         if row["status"] != "ok":
@@ -260,8 +262,9 @@ def print_attention(rows: list[dict], args: argparse.Namespace, peak: float | No
         bound = f"{peak / gbs:.2f}" if gbs and peak else "n/a"
         print(
             f"{row['grid']:>9} {row['tokens']:>6} {_ms(row, 'sdpa_median_ms'):>9} {_ms(row, 'torch_median_ms'):>9} "
-            f"{_ms(row, 'triton_median_ms'):>9} {_x(row, 'torch_over_sdpa'):>10} {_x(row, 'triton_over_sdpa'):>11} "
-            f"{_x(row, 'torch_over_triton'):>12} {(f'{gbs:.0f}' if gbs else 'n/a'):>7} {share:>6} {bound:>11}"
+            f"{_ms(row, 'triton_median_ms'):>9} {_x(row, 'torch_speedup_vs_softmax'):>13} "
+            f"{_x(row, 'triton_speedup_vs_softmax'):>14} {_x(row, 'triton_speedup_vs_torch'):>15}"
+            f" {(f'{gbs:.0f}' if gbs else 'n/a'):>7} {share:>6} {bound:>11}"
         )
         if args.backward:
             print(
@@ -271,21 +274,24 @@ def print_attention(rows: list[dict], args: argparse.Namespace, peak: float | No
     skipped = {row["triton_skipped"] for row in rows if "triton_skipped" in row}
     for reason in skipped:
         print(f"triton columns n/a: {reason}")
-    print("x/sdpa < 1: faster than softmax. torch/triton: kernel speedup over the torch path.")
+    print(
+        f"speedup = {SPEEDUP_VS_SOFTMAX}; "
+        "Triton vs torch = Triton's speedup vs the torch path (torch time / Triton time)."
+    )
 
 
 def print_model(rows: list[dict]) -> None:
     columns = [f"{spec}_{backend}" for spec in ("paper", "all") for backend in ("triton", "torch")]
     print(f"{'res':>5} {'N':>6} {'softmax ms':>10} " + " ".join(f"{c + ' ms (speedup)':>26}" for c in columns))
     for row in rows:
-        cells = [f"{_ms(row, c + '_median_ms')} ({_x(row, c + '_speedup')})" for c in columns]
+        cells = [f"{_ms(row, c + '_median_ms')} ({_x(row, c + '_speedup_vs_softmax')})" for c in columns]
         print(
             f"{row['resolution']:>5} {row['tokens']:>6} {row['softmax_median_ms']:>10.2f} "
             + " ".join(f"{c:>26}" for c in cells)
         )
         if row["status"] != "ok":
             print(f"{'':>5} {row['status']}")
-    print("speedup = softmax ms / converted ms (> 1: faster than softmax).")
+    print(f"speedup = {SPEEDUP_VS_SOFTMAX}")
 
 
 def parse_args() -> argparse.Namespace:

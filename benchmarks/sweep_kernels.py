@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_kernels import DTYPES, RATIO, AttentionCase, relative_rms  # noqa: E402
-from benchmarks.timing import RESULTS_DIR, header_line, time_fn, write_json  # noqa: E402
+from benchmarks.timing import RESULTS_DIR, header_line, speedup, time_fn, write_json  # noqa: E402
 from t5kernels import t5_attention, unsupported_reason  # noqa: E402
 from t5kernels.launch import LaunchSettings, cuda_settings  # noqa: E402
 
@@ -123,9 +123,12 @@ def print_sweep(sweep: str, rows: list[dict]) -> dict:
             default_ms=default["median_ms"],
             best_ms=best["median_ms"],
             best={field.name: best[field.name] for field in dataclasses.fields(LaunchSettings)},
-            speedup_over_default=default["median_ms"] / best["median_ms"],
+            speedup_vs_default=speedup(default["median_ms"], best["median_ms"]),
         )
-        print(f"  fastest: {settings_label(best)}, {summary['speedup_over_default']:.2f}x the default")
+        print(
+            f"  fastest: {settings_label(best)}, speedup vs the default (default time / its time) "
+            f"{summary['speedup_vs_default']:.2f}x"
+        )
     return summary
 
 

@@ -21,11 +21,27 @@ import torch
 
 from t5core.atomic import write_text_atomic
 
-__all__ = ["RESULTS_DIR", "environment", "header_line", "time_fn", "write_json"]
+__all__ = ["RESULTS_DIR", "SPEEDUP_VS_SOFTMAX", "environment", "header_line", "speedup", "time_fn", "write_json"]
 
 logger = logging.getLogger(__name__)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+SPEEDUP_VS_SOFTMAX = "speedup vs softmax (softmax time / T5 time)"
+"""The label of every speed ratio against softmax: above 1 means T5 is faster."""
+
+
+def speedup(baseline_ms: float, new_ms: float) -> float:
+    """The project's one speed-ratio convention: baseline time over new time (> 1: the new path is faster).
+
+    Args:
+        baseline_ms (`float`): time of the baseline (softmax, or the path being compared against).
+        new_ms (`float`): time of the path being measured (T5, or the faster candidate).
+
+    Returns:
+        `baseline_ms / new_ms`.
+    """
+    return baseline_ms / new_ms
 
 
 def _cuda_in_use() -> bool:

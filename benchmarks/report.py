@@ -1,0 +1,326 @@
+"""Write `benchmarks/README.md` from the result files under `benchmarks/results/`; never edit it by hand.
+
+    python -m benchmarks.report            # rewrite benchmarks/README.md
+    python -m benchmarks.report --check    # exit 1 when benchmarks/README.md differs from the results
+
+Each result file (`benchmarks/results/<name>.json`, written by `benchmarks.timing.write_json`) has one
+renderer below, chosen by its name; a file without one is an error, so a new result cannot be left
+out silently. Every speed ratio is recomputed from the stored times with `benchmarks.timing.speedup`,
+the project's one convention: softmax time / T5 time, above 1 means T5 is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.timing import RESULTS_DIR, SPEEDUP_VS_SOFTMAX, speedup
+
+__all__ = ["README", "render"]
+
+README = Path(__file__).resolve().parent / "README.md"
+Result = dict[str, Any]
+
+
+def _ms(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _x(value: float) -> str:
+    return f"{value:.2f}x"
+
+
+def _table(header: Iterable[str], rows: Iterable[Iterable[Any]]) -> list[str]:
+    header = list(header)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+
+def _measured(result: Result) -> str:
+    meta = result["meta"]
+    return f"Measured on {meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, commit {meta['commit']}."
+
+
+def _attention(result: Result) -> list[str]:
+    meta = result["meta"]
+    intro = (
+        f"One T5 attention call per torch path against PyTorch SDPA: batch {meta['batch']}, {meta['heads']} heads "
+        f"x {meta['head_dim']}, {meta['dtype']}, a square image grid, no text, threads: {meta['threads']}. Growth "
+        "is the time over the previous row's (4x the tokens: linear = 4x, quadratic = 16x); peak is the memory one "
+        "call holds above its inputs."
+    )
+    ok = [row for row in result["rows"] if row["status"] == "ok"]
+    paths = [key[: -len("_median_ms")] for key in ok[0] if key.endswith("_median_ms") and key != "sdpa_median_ms"]
+    rows = []
+    for row in result["rows"]:
+        if row["status"] != "ok":
+            rows.append([row["tokens"], row["status"]])
+            continue
+        everything = ["sdpa", *paths]
+        rows.append(
+            [
+                row["tokens"],
+                *(_ms(row[f"{path}_median_ms"]) for path in everything),
+                *(_x(speedup(row["sdpa_median_ms"], row[f"{path}_median_ms"])) for path in paths),
+                *(f"{row[f'{path}_growth']:.2f}x" if row.get(f"{path}_growth") else "-" for path in everything),
+                *(f"{row[f'{path}_peak_mib']:.0f}" for path in everything),
+            ]
+        )
+    names = ["SDPA", *(f"T5 `{path}`" for path in paths)]
+    header = [
+        "N",
+        *(f"{name} ms" for name in names),
+        *(f"speedup `{path}`" for path in paths),
+        *(f"{name} growth" for name in names),
+        *(f"{name} peak MiB" for name in names),
+    ]
+    goals = [f"* goal: {goal}" for goal in meta.get("goals", [])]
+    return [intro, "", *_table(header, rows), *([""] + goals if goals else [])]
+
+
+def _kernels(result: Result) -> list[str]:
+    meta = result["meta"]
+    intro = (
+        f"One T5 attention call through the Triton kernels, the torch path and SDPA on the same inputs: batch "
+        f"{meta['batch']}, {meta['heads']} heads x {meta['head_dim']}, {meta['text']} text tokens, {meta['dtype']}. "
+        "Triton vs torch is the kernels' speedup vs the torch path (torch time / Triton time)."
+    )
+    attention = [row for row in result["rows"] if "model" not in row]
+    rows = []
+    for row in attention:
+        if row["status"] != "ok":
+            rows.append([row["grid"], row["tokens"], row["status"], "", "", "", "", ""])
+            continue
+        triton = "triton_median_ms" in row
+        sdpa = row["sdpa_median_ms"]
+        rows.append(
+            [
+                row["grid"],
+                row["tokens"],
+                _ms(sdpa),
+                _ms(row["torch_median_ms"]),
+                _ms(row["triton_median_ms"]) if triton else "n/a",
+                _x(speedup(sdpa, row["torch_median_ms"])),
+                _x(speedup(sdpa, row["triton_median_ms"])) if triton else "n/a",
+                _x(speedup(row["torch_median_ms"], row["triton_median_ms"])) if triton else "n/a",
+            ]
+        )
+    header = ["grid", "N", "SDPA ms", "torch ms", "Triton ms", "torch speedup", "Triton speedup", "Triton vs torch"]
+    lines = [intro, "", *_table(header, rows)]
+    model = [row["model"] for row in result["rows"] if "model" in row]
+    if model:
+        columns = [
+            key[: -len("_median_ms")] for key in model[0] if key.endswith("_median_ms") and key != "softmax_median_ms"
+        ]
+        cells = [
+            [row["resolution"], row["tokens"], _ms(row["softmax_median_ms"])]
+            + [
+                f"{_ms(row[c + '_median_ms'])} ({_x(speedup(row['softmax_median_ms'], row[c + '_median_ms']))})"
+                for c in columns
+            ]
+            for row in model
+        ]
+        lines += ["", "Whole transformer step, no grad, ms (speedup):", ""]
+        lines += _table(["resolution", "N", "softmax ms", *(f"`{c}`" for c in columns)], cells)
+    return lines
+
+
+def _sweep(result: Result) -> list[str]:
+    meta = result["meta"]
+    intro = (
+        f"Launch settings of the kernels at grid {meta['grid']} + {meta['text']} text tokens, {meta['dtype']}: the "
+        "defaults against the fastest setting each sweep found (speedup vs the default = default time / its time)."
+    )
+    rows = [
+        [
+            s["sweep"],
+            _ms(s["default_ms"]),
+            _ms(s["best_ms"]),
+            _x(speedup(s["default_ms"], s["best_ms"])),
+            ", ".join(f"{key} {value}" for key, value in s["best"].items()),
+        ]
+        if "best_ms" in s
+        else [s["sweep"], s["default_status"], "", "", ""]
+        for s in meta["summaries"]
+    ]
+    return [intro, "", *_table(["sweep", "default ms", "fastest ms", "speedup vs default", "fastest"], rows)]
+
+
+def _comfy_step(result: Result) -> list[str]:
+    meta = result["meta"]
+    intro = (
+        f"One ComfyUI sampling step (one euler step, CFG batch {meta['cfg_batch']}, {meta['text_tokens']} text "
+        f"tokens, {meta['dtype']}) of ComfyUI's MMDiT with SD3.5 Medium's width and random weights, the first "
+        f"{meta['blocks']} of 24 blocks; softmax is SDPA, T5 runs whatever `auto` picks."
+    )
+    specs = list(dict.fromkeys(row["path"] for row in result["rows"] if row["path"] != "softmax"))
+    rows = []
+    for size in dict.fromkeys(row["size"] for row in result["rows"]):
+        by_path = {row["path"]: row for row in result["rows"] if row["size"] == size}
+        base = by_path["softmax"]["median_ms"]
+        times = [_ms(by_path[s]["median_ms"]) if by_path[s]["status"] == "ok" else "FAIL" for s in specs]
+        ratios = [_x(speedup(base, by_path[s]["median_ms"])) if by_path[s]["status"] == "ok" else "-" for s in specs]
+        rows.append([f"{size}x{size}", _ms(base), *times, *ratios])
+    header = ["image", "softmax ms", *(f"T5 `{s}` ms" for s in specs), *(f"speedup `{s}`" for s in specs)]
+    return [intro, "", *_table(header, rows)]
+
+
+def _toy_speed(result: Result) -> list[str]:
+    meta = result["meta"]
+    intro = (
+        f"Sampling the built-in toy ({meta['steps']} Euler steps with CFG, batch {meta['batch']}): the softmax "
+        f"teacher against its T5 conversion ({len(meta['layers'])} modules)."
+    )
+    rows = [
+        [f"{row['size']} px", row["image_tokens"], row.get("status", "FAIL")]
+        if "t5" not in row
+        else [
+            f"{row['size']} px",
+            row["image_tokens"],
+            _ms(row["softmax"]["median_ms"]),
+            _ms(row["t5"]["median_ms"]),
+            _x(speedup(row["softmax"]["median_ms"], row["t5"]["median_ms"])),
+        ]
+        for row in result["rows"]
+    ]
+    return [intro, "", *_table(["image", "image tokens", "softmax ms", "T5 ms", "speedup"], rows)]
+
+
+def _throughput(result: Result) -> list[str]:
+    meta = result["meta"]
+    intro = (
+        f"Training steps of the trainer on its tiny test model (global batch {meta['batch']}, median after "
+        f"{meta['warmup']} warm-up steps, one thread per process); speedup is against softmax (SDPA) at the same "
+        "processes and mode, and vs 1 process is the 1-process time / this time."
+    )
+    ms = {(row["attention"], row["procs"], row["mode"]): row["ms_per_step"] for row in result["rows"]}
+    rows = []
+    for row in result["rows"]:
+        key = (row["attention"], row["procs"], row["mode"])
+        mode = "-" if row["procs"] == 1 else row["mode"].upper()
+        if row["check"] != "ok":
+            rows.append([row["attention"].upper(), row["procs"], mode, "FAIL", "", ""])
+            continue
+        vs_softmax = speedup(ms[("sdpa", *key[1:])], ms[key])
+        vs_one = speedup(ms[(row["attention"], 1, "ddp")], ms[key])
+        rows.append([row["attention"].upper(), row["procs"], mode, f"{ms[key]:.1f}", _x(vs_softmax), _x(vs_one)])
+    return [intro, "", *_table(["attention", "processes", "mode", "ms/step", "speedup", "vs 1 process"], rows)]
+
+
+def _memory(result: Result) -> list[str]:
+    meta = result["meta"]
+    intro = (
+        f"The trainer's memory plan per GPU (an estimate, not a measurement): {meta['gpus']} GPUs x "
+        f"{meta['gpu_gib']:g} GiB, {meta['resolution']} px, batch {meta['batch']} per GPU, bf16, gradient "
+        "checkpointing, `paper` layers."
+    )
+    columns = [("ddp", False), ("ddp", True), ("fsdp2", False), ("fsdp2", True)]
+    plans = {(r["model"], r["trainable"], r["mode"], r["teacher"]): r for r in result["rows"]}
+    rows = []
+    for model, trainable in dict.fromkeys((r["model"], r["trainable"]) for r in result["rows"]):
+        cells = []
+        for mode, teacher in columns:
+            plan = plans[(model, trainable, mode, teacher)]
+            cells.append(f"{plan['t5_gib']:.1f} GiB" + ("" if plan["fits"] else " (does not fit)"))
+        rows.append([model, trainable, *cells])
+    extra = [100 * (r["t5_gib"] / r["softmax_gib"] - 1) for r in result["rows"]]
+    header = ["model", "trains", "DDP", "DDP + teacher", "FSDP2", "FSDP2 + teacher"]
+    note = f"T5 adds {min(extra):.1f}-{max(extra):.1f} % over the same fine-tune of the softmax model."
+    return [intro, "", *_table(header, rows), "", note]
+
+
+def _ablations(result: Result) -> list[str]:
+    # `benchmarks/ablations.py` stores its summary (mean ± sd over seeds) with the rows: a header
+    # line, a description line, a blank line, then the table.
+    lines = result["meta"]["table"].splitlines()
+    return [lines[1] + ".", "", *lines[3:]]
+
+
+def _dynamic_vram(result: Result) -> list[str]:
+    rows = [
+        [item["check"], ("ok" if item["ok"] else "FAIL") if item["applies"] else "n/a", item["evidence"]]
+        for item in result["rows"]
+    ]
+    return [
+        "T5 Linearize in a real ComfyUI server (Dynamic VRAM on CUDA).",
+        "",
+        *_table(["check", "result", "evidence"], rows),
+    ]
+
+
+Renderer = Callable[[Result], list[str]]
+# (file name pattern, section title, command that writes it, renderer); the first match wins.
+SECTIONS: tuple[tuple[str, str, str, Renderer], ...] = (
+    ("attention_*.json", "T5Attention vs SDPA", "python -m benchmarks.bench_attention", _attention),
+    ("kernels_sweep_*.json", "Kernel launch settings", "python -m benchmarks.sweep_kernels", _sweep),
+    ("kernels_*.json", "Triton kernels", "python -m benchmarks.bench_kernels", _kernels),
+    ("comfy_step_*.json", "One ComfyUI sampling step", "python -m benchmarks.bench_comfy_step", _comfy_step),
+    ("comfy_dynamic_vram_*.json", "ComfyUI Dynamic VRAM", "python -m benchmarks.comfy_dynamic_vram", _dynamic_vram),
+    ("bench_toy_speed.json", "Toy sampling speed", "python -m benchmarks.bench_toy_speed", _toy_speed),
+    ("trainer_throughput.json", "Trainer throughput", "python -m benchmarks.bench_trainer_throughput", _throughput),
+    ("trainer_memory.json", "Trainer memory plan", "python -m benchmarks.bench_trainer_memory", _memory),
+    ("ablations*.json", "Toy ablations", "python -m benchmarks.ablations", _ablations),
+)
+
+INTRO = f"""# Benchmarks
+
+Generated by `python -m benchmarks.report` from `benchmarks/results/*.json`; do not edit by hand (a
+test checks this file against the results). Each script in `benchmarks/` prints its table, checks
+every path against the reference before timing it, and writes its JSON under `benchmarks/results/`.
+
+**One convention for speed ratios:** every speedup is the
+{SPEEDUP_VS_SOFTMAX}: above 1 means T5 is faster. Both paths are always
+timed in the same run. What the toy ablations show is discussed in [docs/toy.md](../docs/toy.md).
+
+**GPU:** `bash benchmarks/gpu_check.sh` runs every GPU check in one go (the kernel tests on CUDA,
+`bench_kernels.py --backward --model-step`, `sweep_kernels.py`, `comfy_dynamic_vram`); its header
+says what to carry to a GPU machine. Its JSON files, copied into `benchmarks/results/`, get their
+sections on the next `python -m benchmarks.report`."""
+
+
+def render(results_dir: Path = RESULTS_DIR) -> str:
+    """The whole `benchmarks/README.md` text for the result files in `results_dir`.
+
+    Raises:
+        ValueError: a result file that no pattern in `SECTIONS` covers.
+    """
+    files = sorted(results_dir.glob("*.json"))
+    results = {path.name: json.loads(path.read_text(encoding="utf-8")) for path in files}
+    lines = [INTRO, ""]
+    if all(result["meta"]["device"].startswith("cpu") for result in results.values()):
+        lines += ["**Every figure below was measured on a CPU; none on a GPU yet.**", ""]
+    for pattern, title, command, renderer in SECTIONS:
+        for name in [name for name in results if fnmatch.fnmatch(name, pattern)]:
+            result = results.pop(name)
+            lines += [f"## {title} (`{name}`)", "", f"`{command}`. {_measured(result)}", ""]
+            lines += [*renderer(result), ""]
+    if results:
+        raise ValueError(
+            f"{sorted(results)} in {results_dir} match no section of benchmarks/report.py; add a renderer to "
+            "SECTIONS or move the file out of the results folder."
+        )
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if benchmarks/README.md is out of date")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if README.read_text(encoding="utf-8") != text:
+            print(f"{README} is out of date: run python -m benchmarks.report", file=sys.stderr)
+            return 1
+        return 0
+    README.write_text(text, encoding="utf-8")
+    print(f"wrote {README}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
