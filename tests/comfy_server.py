@@ -71,9 +71,16 @@ class ComfyServer:
         log_path = base_dir / "server.log"
         command = [sys.executable, "main.py", "--listen", "127.0.0.1", "--port", str(port)]
         command += ["--base-directory", str(base_dir), "--disable-auto-launch", *(["--cpu"] if cpu else []), *args]
+        # the default database is tree/user/comfyui.db, inside the (read-only) tree
+        command += ["--database-url", "sqlite:///:memory:"]
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
-                command, cwd=tree, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+                command,
+                cwd=tree,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         server = cls(process, f"http://127.0.0.1:{port}", base_dir, log_path)
         deadline = time.monotonic() + timeout_s
