@@ -48,7 +48,7 @@ def _meta_model(name: str):
 
 def _counts(model, trainable: str) -> tuple[ParamCounts, ParamCounts]:
     """Counts for the T5 fine-tune (`paper` layers) and for the same fine-tune without the T5 parameters."""
-    handle = linearize(model, "paper")
+    handle = linearize(model, layers="paper")
     split = split_parameters(handle, ModelConfig(trainable=trainable), OptimConfig())
     params = dict(handle.model.named_parameters())
     counts = ParamCounts(

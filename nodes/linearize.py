@@ -115,7 +115,7 @@ class T5Linearize(io.ComfyNode):
             return io.NodeOutput(model)
         path = folder_paths.get_full_path_or_raise(FOLDER, weights)
         spec = layers.strip() if layers else ""
-        return io.NodeOutput(comfy_host.linearize(model, path, spec or None))
+        return io.NodeOutput(comfy_host.linearize(model, path, layers=spec or None))
 
 
 class T5LinearizeExtension(ComfyExtension):

@@ -33,6 +33,7 @@ __all__ = [
     "T5Weights",
     "T5WeightsError",
     "build_modules",
+    "check_base",
     "check_compatible",
     "expected_shapes",
     "load",
@@ -317,6 +318,34 @@ def check_compatible(weights: T5Weights, arch: BaseArch, layers: LayerSpec | Non
             "Ask for a subset of the file's layers, or train a file that covers them.",
         )
     return wanted
+
+
+def check_base(weights: T5Weights, model_state: Mapping[str, Tensor]) -> None:
+    """Check that every `base.*` tensor of a file is a tensor of the model, with its shape.
+
+    Args:
+        weights: the loaded file.
+        model_state: the model's tensors by SD3 checkpoint name (`joint_blocks.0.x_block.attn.qkv.weight`);
+            only names and shapes are read, so meta tensors will do.
+
+    Raises:
+        T5WeightsError: a base tensor the model lacks, or one of another shape.
+    """
+    path = Path(weights.path)
+    for key, tensor in weights.base.items():
+        target = model_state.get(key)
+        if target is None:
+            raise _fail(
+                path,
+                f"base tensor {key!r} is not a weight of this model.",
+                "The file was made for another model variant; use a T5 weights file trained for this model.",
+            )
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise _fail(
+                path,
+                f"base tensor {key!r} is {tuple(tensor.shape)}, the model's is {tuple(target.shape)}.",
+                "Use a T5 weights file trained for this model.",
+            )
 
 
 def build_modules(weights: T5Weights, layers: tuple[str, ...], *, backend: str = "auto") -> dict[str, T5Attention]:

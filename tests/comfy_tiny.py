@@ -96,7 +96,7 @@ def model(comfy, checkpoint):
 def arch(model):
     from t5core.hosts.comfy import arch_of
 
-    return arch_of(model.get_model_object("diffusion_model"))
+    return arch_of(model)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@
 Under FSDP2 the live parameters are shards, so the handle cannot be saved as it stands: every rank
 takes part in gathering the full tensors it needs (the T5 parameters, the trained inherited weights
 and the untrained parts that share an SD3 tensor with them, such as the rest of a fused qkv), and
-rank 0 writes the file through `t5core.weights.save`. DDP and one process take the same path.
+rank 0 writes the file through `t5core.weights.save`. Which inherited tensors go in, and their SD3
+names, come from `t5core.convert.base_sources` / `base_tensors`. DDP and one process take the same path.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from torch import Tensor, nn
 
 from t5core.atomic import write_text_atomic
 from t5core.attention import T5Attention
+from t5core.convert import base_sources, base_tensors
 from t5core.hosts.diffusers import T5Handle
-from t5core.sd3_keys import diffusers_to_sd3, key_rules
 from t5core.weights import save
 from trainer.distributed import World
 from trainer.model import ParamSplit
@@ -38,14 +39,6 @@ def t5_parameter_names(handle: T5Handle) -> dict[str, str]:
         for param_name, _ in module.named_parameters():
             names[f"{prefix}.{param_name}"] = f"{module_name}.{param_name}"
     return names
-
-
-def _sd3_sources(handle: T5Handle, trained: tuple[str, ...]) -> list[str]:
-    """Every diffusers tensor behind the SD3 tensors that trained parameters belong to."""
-    wanted = set(trained)
-    return sorted(
-        {name for rule in key_rules(handle.arch) if wanted.intersection(rule.diffusers) for name in rule.diffusers}
-    )
 
 
 def _gather(model: nn.Module, names: list[str]) -> dict[str, Tensor]:
@@ -75,8 +68,8 @@ def export_weights(
         The path on rank 0, None on other ranks.
     """
     t5_names = t5_parameter_names(handle)
-    base_names = _sd3_sources(handle, split.inherited)
-    tensors = _gather(handle.model, sorted(t5_names) + base_names)
+    base_names = base_sources(handle.arch, params=split.inherited)
+    tensors = _gather(handle.model, sorted(t5_names) + list(base_names))
     if not world.is_main:
         return None
     modules: dict[str, T5Attention] = {}
@@ -89,7 +82,7 @@ def export_weights(
         }
         module.load_state_dict(state, strict=True)
         modules[module_name] = module
-    base = diffusers_to_sd3({name: tensors[name] for name in base_names}, handle.arch)
+    base = base_tensors(tensors, handle.arch, params=split.inherited)
     written = save(path, modules, arch=handle.arch, config=handle.config, base=base, provenance=provenance)
     logger.info("Export: %s (%d T5 modules, %d base tensors)", written, len(modules), len(base))
     return written

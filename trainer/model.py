@@ -160,7 +160,7 @@ def build_student(base: nn.Module, config: ModelConfig) -> T5Handle:
     """Convert the base in place with `linearize`; the handle holds the new modules and the undo."""
     return linearize(
         base,
-        config.layers,
+        layers=config.layers,
         variant=config.variant,
         key_norm_eps=config.key_norm_eps,
         locality=config.locality,

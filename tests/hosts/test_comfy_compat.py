@@ -59,7 +59,7 @@ def test_attention_override_still_reaches_the_softmax_modules(model, weights_all
         calls.append(args[0].shape[1])
         return func(*args, **kwargs)
 
-    patched = linearize(model, weights_all, "joint:1")
+    patched = linearize(model, weights_all, layers="joint:1")
     patched.model_options["transformer_options"]["optimized_attention_override"] = override
     inputs = comfy_tiny.inputs(batch=1, latent_hw=(12, 20), text=7)
     comfy_tiny.run(patched, inputs)

@@ -115,7 +115,7 @@ def test_bad_inputs_give_clear_errors_and_leave_the_model_usable(
     reference = comfy_tiny.run(model, inputs)
     before = comfy_tiny.snapshot(model)
     with pytest.raises(error, match=match):
-        linearize(target, path, layers)
+        linearize(target, path, layers=layers)
     assert comfy_tiny.snapshot(model) == before
     assert torch.equal(comfy_tiny.run(model, inputs), reference)
 
@@ -160,3 +160,21 @@ def test_a_base_tensor_for_a_buffer_is_refused(comfy, model, arch, checkpoint):
     ):
         linearize(model, path)
     assert comfy_tiny.snapshot(model) == before
+
+
+def test_arch_of_names_what_it_got_and_what_it_wants(comfy, model):
+    from t5core.hosts.comfy import arch_of
+
+    diffusion = model.get_model_object("diffusion_model")
+    expected = rf"expected a ComfyUI MODEL \(a ModelPatcher\); got {type(diffusion).__name__}\. .*not its diffusion"
+    with pytest.raises(TypeError, match=expected):
+        arch_of(diffusion)
+    with pytest.raises(TypeError, match=r"converts SD3 / SD3\.5 models .* this MODEL is Flux"):
+        arch_of(_tiny_flux(comfy))
+
+
+def test_arguments_after_the_weights_are_keyword_only(model, weights_all):
+    from t5core.hosts.comfy import linearize
+
+    with pytest.raises(TypeError, match="positional"):
+        linearize(model, weights_all, "all")

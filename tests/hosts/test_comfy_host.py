@@ -81,10 +81,10 @@ def test_parity_with_the_diffusers_host(comfy, model, transformer, arch, checkpo
     inputs = comfy_tiny.inputs(batch=2, latent_hw=(12, 20))
     sigma = 0.6
 
-    comfy_out = comfy_tiny.run(comfy_host.linearize(model, path, layers), inputs, sigma)
+    comfy_out = comfy_tiny.run(comfy_host.linearize(model, path, layers=layers), inputs, sigma)
 
     reference = copy.deepcopy(transformer)
-    handle = diffusers_host.linearize(reference, layers, weights=path)
+    handle = diffusers_host.linearize(reference, layers=layers, weights=path)
     with torch.no_grad():
         diffusers_out = reference(
             hidden_states=inputs["x"],
@@ -93,7 +93,7 @@ def test_parity_with_the_diffusers_host(comfy, model, transformer, arch, checkpo
             timestep=torch.full((2,), sigma * 1000),
         ).sample
     softmax_out = comfy_tiny.run(model, inputs, sigma)
-    assert handle.config.layers == comfy_host.converted_layers(comfy_host.linearize(model, path, layers))
+    assert handle.config.layers == comfy_host.converted_layers(comfy_host.linearize(model, path, layers=layers))
     assert (comfy_out - softmax_out).abs().max() > 1e-2, (
         "T5 attention must change the output for parity to mean anything"
     )

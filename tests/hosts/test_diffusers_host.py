@@ -8,7 +8,9 @@ import torch
 
 from t5core import T5Attention
 from t5core import weights as t5w
-from t5core.hosts.diffusers import T5AttnProcessor, arch_of, linearize
+from t5core.convert import base_tensors
+from t5core.hosts.diffusers import T5AttnProcessor, arch_of, converted_layers, linearize
+from t5core.sd3_keys import diffusers_to_sd3
 from tests.tiny_models import tiny_inputs, tiny_transformer
 
 
@@ -26,7 +28,7 @@ def run(model, **overrides):
 def test_empty_spec_leaves_outputs_bit_identical(preset):
     model = tiny_transformer(preset)
     before = run(model)
-    handle = linearize(model, "none")
+    handle = linearize(model, layers="none")
     assert handle.modules == {} and torch.equal(run(model), before)
 
 
@@ -45,7 +47,7 @@ def test_undo_restores_bit_identical_outputs(preset, spec):
     model = tiny_transformer(preset)
     before = run(model)
     processors = dict(model.attn_processors)
-    handle = linearize(model, spec)
+    handle = linearize(model, layers=spec)
     assert not torch.allclose(run(model), before)
     handle.remove()
     assert torch.equal(run(model), before)
@@ -55,7 +57,7 @@ def test_undo_restores_bit_identical_outputs(preset, spec):
 
 def test_paper_and_all_convert_the_right_modules():
     model = tiny_transformer("sd35_medium_like")
-    handle = linearize(model, "paper")
+    handle = linearize(model, layers="paper")
     # 3 blocks, attn2 on 0-1: paper = both attn2 + the joint attention of the last (up to) 5 blocks.
     assert set(handle.modules) == {
         "blocks.0.attn2",
@@ -65,7 +67,7 @@ def test_paper_and_all_convert_the_right_modules():
         "blocks.2.attn",
     }
     handle.remove()
-    handle = linearize(model, "joint:2,attn2:0")
+    handle = linearize(model, layers="joint:2,attn2:0")
     converted = {k for k, v in model.attn_processors.items() if isinstance(v, T5AttnProcessor)}
     assert converted == {"transformer_blocks.2.attn.processor", "transformer_blocks.0.attn2.processor"}
     assert model.transformer_blocks[2].attn.processor.t5 is handle.modules["blocks.2.attn"]
@@ -73,7 +75,7 @@ def test_paper_and_all_convert_the_right_modules():
 
 def test_softmax_modules_next_to_t5_modules_see_no_extra_arguments(caplog):
     model = tiny_transformer()
-    linearize(model, "attn2:0")
+    linearize(model, layers="attn2:0")
     with caplog.at_level(logging.WARNING):
         run(model)
     assert "not expected" not in caplog.text
@@ -82,7 +84,7 @@ def test_softmax_modules_next_to_t5_modules_see_no_extra_arguments(caplog):
 @pytest.mark.parametrize("latent_hw", [(12, 20), (20, 12), (2, 30), (16, 16)], ids=["6x10", "10x6", "1x15", "8x8"])
 def test_any_aspect_ratio_and_batch_independence(latent_hw):
     model = tiny_transformer()
-    linearize(model, "all")
+    linearize(model, layers="all")
     inputs = tiny_inputs(batch=3, latent_hw=latent_hw)
     out = run(model, **inputs)
     single = run(model, **{k: v[1:2] for k, v in inputs.items()})
@@ -92,7 +94,7 @@ def test_any_aspect_ratio_and_batch_independence(latent_hw):
 
 def test_gradients_reach_t5_and_inherited_parameters():
     model = tiny_transformer().train()
-    handle = linearize(model, "all")
+    handle = linearize(model, layers="all")
     model(**tiny_inputs()).sample.square().mean().backward()
     for param in handle.t5_parameters():
         assert param.grad is not None and param.grad.abs().sum() > 0
@@ -102,7 +104,7 @@ def test_gradients_reach_t5_and_inherited_parameters():
 
 def test_gradient_checkpointing_gives_the_same_outputs_and_gradients():
     plain = tiny_transformer().train()
-    linearize(plain, "all")
+    linearize(plain, layers="all")
     checkpointed = copy.deepcopy(plain)
     checkpointed.enable_gradient_checkpointing()
     inputs = tiny_inputs(latent_hw=(12, 20))
@@ -120,7 +122,7 @@ def test_gradient_checkpointing_gives_the_same_outputs_and_gradients():
 def test_convert_on_a_copy_leaves_the_original_untouched():
     model = tiny_transformer()
     before = run(model)
-    handle = linearize(model, "all", inplace=False)
+    handle = linearize(model, layers="all", inplace=False)
     assert handle.model is not model
     assert torch.equal(run(model), before)
     assert not torch.allclose(run(handle.model), before)
@@ -139,10 +141,10 @@ def train_a_little(model, handle):
 
 def test_save_then_load_into_a_fresh_model_gives_identical_outputs(tmp_path):
     model = tiny_transformer()
-    handle = linearize(model, "paper")
+    handle = linearize(model, layers="paper")
     train_a_little(model, handle)
     trained = run(model)
-    base = handle.base_state_dict(["transformer_blocks.2.attn.to_q.weight"])
+    base = base_tensors(model.state_dict(), handle.arch, params=["transformer_blocks.2.attn.to_q.weight"])
     assert set(base) == {"joint_blocks.2.x_block.attn.qkv.weight"}
     path = t5w.save(tmp_path / "t5.safetensors", handle, base=base, provenance={"steps": 2})
 
@@ -157,14 +159,14 @@ def test_save_then_load_into_a_fresh_model_gives_identical_outputs(tmp_path):
 
 def test_a_layer_subset_of_a_file(tmp_path):
     model = tiny_transformer()
-    path = t5w.save(tmp_path / "t5.safetensors", linearize(model, "all"))
+    path = t5w.save(tmp_path / "t5.safetensors", linearize(model, layers="all"))
     fresh = tiny_transformer()
-    handle = linearize(fresh, "attn2:*", weights=path)
+    handle = linearize(fresh, layers="attn2:*", weights=path)
     assert set(handle.modules) == {"blocks.0.attn2", "blocks.1.attn2"}
 
 
 def test_a_file_for_another_model_is_refused_and_the_model_is_unchanged(tmp_path):
-    path = t5w.save(tmp_path / "large.safetensors", linearize(tiny_transformer("sd35_large_like"), "all"))
+    path = t5w.save(tmp_path / "large.safetensors", linearize(tiny_transformer("sd35_large_like"), layers="all"))
     model = tiny_transformer("sd35_medium_like")
     before = run(model)
     with pytest.raises(t5w.T5WeightsError, match="large.safetensors: was made for .*3 heads"):
@@ -173,13 +175,13 @@ def test_a_file_for_another_model_is_refused_and_the_model_is_unchanged(tmp_path
 
 
 def test_a_variant_clash_with_a_file_is_refused(tmp_path):
-    path = t5w.save(tmp_path / "t5.safetensors", linearize(tiny_transformer(), "all"))
+    path = t5w.save(tmp_path / "t5.safetensors", linearize(tiny_transformer(), layers="all"))
     with pytest.raises(t5w.T5WeightsError, match="holds variant 'swiglu'.*variant='mlp'"):
         linearize(tiny_transformer(), weights=path, variant="mlp")
 
 
 def test_base_tensors_that_do_not_fit_are_refused_before_anything_changes(tmp_path):
-    handle = linearize(tiny_transformer(), "all")
+    handle = linearize(tiny_transformer(), layers="all")
     modules = dict(handle.modules)
     path = t5w.save(
         tmp_path / "t5.safetensors",
@@ -190,7 +192,10 @@ def test_base_tensors_that_do_not_fit_are_refused_before_anything_changes(tmp_pa
     )
     model = tiny_transformer()
     before = run(model)
-    with pytest.raises(t5w.T5WeightsError, match=r"to_out.0.weight is \(5, 5\)"):
+    with pytest.raises(
+        t5w.T5WeightsError,
+        match=r"t5\.safetensors: base tensor 'joint_blocks\.0\.x_block\.attn\.proj\.weight' is \(5, 5\), the model's",
+    ):
         linearize(model, weights=path)
     assert torch.equal(run(model), before)
 
@@ -198,11 +203,11 @@ def test_base_tensors_that_do_not_fit_are_refused_before_anything_changes(tmp_pa
 def test_converting_twice_is_refused_and_undo_then_convert_works():
     model = tiny_transformer()
     before = run(model)
-    handle = linearize(model, "attn2:0")
+    handle = linearize(model, layers="attn2:0")
     with pytest.raises(ValueError, match="already converted to T5 attention"):
-        linearize(model, "all")
+        linearize(model, layers="all")
     handle.remove()
-    linearize(model, "all").remove()
+    linearize(model, layers="all").remove()
     assert torch.equal(run(model), before)
 
 
@@ -213,7 +218,7 @@ def test_not_an_sd3_model_is_refused():
 
 def test_mlp_variant_and_no_locality_convert_and_run():
     model = tiny_transformer()
-    handle = linearize(model, "all", variant="mlp", locality=False, key_norm_eps=None)
+    handle = linearize(model, layers="all", variant="mlp", locality=False, key_norm_eps=None)
     module = handle.modules["blocks.0.attn"]
     assert isinstance(module, T5Attention) and module.variant == "mlp" and not module.locality
     assert torch.isfinite(run(model)).all()
@@ -223,3 +228,54 @@ def test_arch_of_reads_the_config():
     arch = arch_of(tiny_transformer())
     assert (arch.depth, arch.heads, arch.head_dim, arch.dual_attention_layers, arch.qk_norm) == (3, 2, 16, (0, 1), True)
     assert arch_of(tiny_transformer("sd3_like")).qk_norm is False
+
+
+def test_arch_of_refuses_what_is_not_an_sd3_transformer():
+    with pytest.raises(TypeError, match=r"expected a diffusers SD3Transformer2DModel.*got Linear.*from_pretrained"):
+        arch_of(torch.nn.Linear(2, 2))
+
+
+def test_arguments_after_the_transformer_are_keyword_only():
+    with pytest.raises(TypeError, match="positional"):
+        linearize(tiny_transformer(), "all")
+
+
+def test_converted_layers_names_the_modules_running_t5():
+    model = tiny_transformer()
+    assert converted_layers(model) == () and converted_layers(torch.nn.Linear(2, 2)) == ()
+    handle = linearize(model, layers="joint:2,attn2:0")
+    assert sorted(converted_layers(model)) == ["blocks.0.attn2", "blocks.2.attn"]
+    handle.remove()
+    assert converted_layers(model) == ()
+
+
+def test_base_tensors_of_converted_layers_are_every_inherited_weight_of_those_modules():
+    model = tiny_transformer()
+    handle = linearize(model, layers="joint:2,attn2:0")
+    state = model.state_dict()
+    base = base_tensors(state, handle.arch, layers=handle.config.layers)
+    under = ("transformer_blocks.2.attn.", "transformer_blocks.0.attn2.")
+    inherited = {n: t for n, t in state.items() if n.startswith(under) and ".processor." not in n}
+    expected = diffusers_to_sd3(inherited, handle.arch)
+    assert base.keys() == expected.keys() and "joint_blocks.2.context_block.attn.ln_q.weight" in base
+    assert all(torch.equal(base[key], expected[key]) for key in base)
+
+
+def test_base_tensors_refuse_names_that_are_not_inherited_weights():
+    model = tiny_transformer()
+    handle = linearize(model, layers="attn2:0")
+    with pytest.raises(ValueError, match=r"transformer_blocks\.0\.attn2\.processor\.t5\.w1.*not inherited SD3 weights"):
+        base_tensors(model.state_dict(), handle.arch, params=["transformer_blocks.0.attn2.processor.t5.w1"])
+
+
+def test_undo_restores_a_base_buffer_from_the_file(tmp_path):
+    model = tiny_transformer()
+    handle = linearize(model, layers="attn2:0")
+    pos_embed = model.pos_embed.pos_embed + 1.0
+    path = t5w.save(tmp_path / "t5.safetensors", handle, base={"pos_embed": pos_embed})
+    fresh = tiny_transformer()
+    before = run(fresh)
+    fresh_handle = linearize(fresh, weights=path)
+    assert torch.equal(fresh.pos_embed.pos_embed, pos_embed)
+    fresh_handle.remove()
+    assert torch.equal(run(fresh), before)

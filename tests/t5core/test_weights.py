@@ -213,6 +213,27 @@ def test_a_layer_request_must_be_a_subset_of_the_file(tmp_path):
         t5w.check_compatible(loaded, ARCH, "joint:1-2")
 
 
+@pytest.mark.parametrize(
+    "model_state, match",
+    [
+        pytest.param(
+            {}, r"t5\.safetensors: base tensor '.*proj\.weight' is not a weight of this model\. .*another", id="absent"
+        ),
+        pytest.param(
+            {"joint_blocks.2.x_block.attn.proj.weight": torch.empty(8, 16, device="meta")},
+            r"t5\.safetensors: base tensor '.*proj\.weight' is \(16, 16\), the model's is \(8, 16\)\. Use a T5",
+            id="misshapen",
+        ),
+    ],
+)
+def test_base_tensors_must_be_model_tensors_of_the_same_shape(tmp_path, model_state, match):
+    path, _ = write(tmp_path, base={"joint_blocks.2.x_block.attn.proj.weight": torch.randn(16, 16)})
+    loaded = t5w.load(path)
+    t5w.check_base(loaded, {"joint_blocks.2.x_block.attn.proj.weight": torch.empty(16, 16, device="meta")})
+    with pytest.raises(t5w.T5WeightsError, match=match):
+        t5w.check_base(loaded, model_state)
+
+
 def test_save_refuses_a_module_that_does_not_fit(tmp_path):
     modules = make_modules()
     modules["blocks.2.attn"] = T5Attention(2, 8, "mlp")

@@ -1,0 +1,147 @@
+"""Between a T5 weights file and a host's model: what to install, and what to export.
+
+`prepare` is the sequence both hosts run before wiring anything into a model: load the file, check
+it against the model's architecture and the layer request, check its `base.*` tensors against the
+model's own, and build the `T5Attention` modules. Nothing is changed in the model, so a refusal
+leaves it as it was. `base_tensors` goes the other way: from a fine-tuned diffusers model (or the
+full tensors a trainer gathered) to the SD3-named `base.*` tensors of a weights file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+
+from torch import Tensor
+
+from t5core.attention import T5Attention
+from t5core.config import BaseArch, T5Config
+from t5core.layers import LayerSpec
+from t5core.sd3_keys import diffusers_to_sd3, key_rules
+from t5core.weights import T5Weights, T5WeightsError, build_modules, check_base, check_compatible, load
+
+__all__ = ["Prepared", "base_sources", "base_tensors", "diffusers_module", "prepare"]
+
+
+def diffusers_module(layer: str) -> str:
+    """The diffusers path of a converted module: `blocks.3.attn2` -> `transformer_blocks.3.attn2`."""
+    return "transformer_" + layer
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A T5 weights file made ready for one model.
+
+    Attributes:
+        weights: the loaded file.
+        config: the file's settings, with `layers` set to the modules chosen for this model.
+        modules: a `T5Attention` holding the file's tensors per chosen module (`blocks.3.attn`).
+    """
+
+    weights: T5Weights
+    config: T5Config
+    modules: dict[str, T5Attention]
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """The chosen modules, in the order of the config."""
+        return self.config.layers
+
+    @property
+    def base(self) -> dict[str, Tensor]:
+        """The file's `base.*` tensors in SD3 naming, each checked to be a model tensor of the same shape."""
+        return self.weights.base
+
+
+def prepare(
+    weights: T5Weights | str | os.PathLike[str],
+    arch: BaseArch,
+    *,
+    model_state: Callable[[], Mapping[str, Tensor]],
+    layers: LayerSpec | None = None,
+    variant: str | None = None,
+    backend: str = "auto",
+) -> Prepared:
+    """Load and check a T5 weights file for a model, and build its T5 modules.
+
+    Args:
+        weights: a loaded T5 weights file, or its path.
+        arch: the model's architecture.
+        model_state: returns the model's tensors by SD3 checkpoint name (meta tensors will do: only
+            names and shapes are read); called only when the file has `base.*` tensors.
+        layers: restricts the conversion to a subset of the file's layers (a layer spec); None takes
+            all of them.
+        variant: the inner model the caller expects; None takes the file's.
+        backend: `"auto" | "torch" | "triton"` for every `T5Attention`.
+
+    Returns:
+        A `Prepared` with the modules on the CPU, in the file's dtype.
+
+    Raises:
+        FileNotFoundError: `weights` is a path that does not exist.
+        T5WeightsError: the file is unreadable, of another variant, for another architecture, cannot
+            serve `layers`, or has `base.*` tensors the model lacks or holds in another shape.
+    """
+    weights = weights if isinstance(weights, T5Weights) else load(weights)
+    if variant is not None and variant != weights.config.variant:
+        raise T5WeightsError(
+            f"{weights.name}: holds variant {weights.config.variant!r}, but variant={variant!r} "
+            "was requested. Drop the variant argument."
+        )
+    chosen = check_compatible(weights, arch, layers)
+    if weights.base:
+        check_base(weights, model_state())
+    config = replace(weights.config, layers=chosen)
+    return Prepared(weights, config, build_modules(weights, chosen, backend=backend))
+
+
+def base_sources(arch: BaseArch, *, params: Iterable[str] = (), layers: Iterable[str] = ()) -> tuple[str, ...]:
+    """The diffusers tensors a weights file's `base.*` needs for fine-tuned inherited weights.
+
+    A fine-tuned parameter brings the whole SD3 tensor it belongs to, so all of a fused qkv comes
+    along when only its q was trained.
+
+    Args:
+        arch: the model's architecture.
+        params: diffusers names of fine-tuned parameters (`transformer_blocks.3.attn.to_q.weight`).
+        layers: converted modules (`blocks.3.attn`) whose inherited projections and q/k norms all count
+            as fine-tuned.
+
+    Returns:
+        Sorted diffusers names.
+
+    Raises:
+        ValueError: a name in `params` that is not an inherited SD3 weight of this architecture.
+    """
+    wanted = set(params)
+    prefixes = tuple(diffusers_module(layer) + "." for layer in layers)
+    rules = [rule for rule in key_rules(arch) if wanted & set(rule.diffusers) or rule.diffusers[0].startswith(prefixes)]
+    sources = {name for rule in rules for name in rule.diffusers}
+    unknown = sorted(wanted - sources)
+    if unknown:
+        raise ValueError(
+            f"{unknown[:5]} are not inherited SD3 weights of a {arch.describe()}; "
+            "pass parameter names of the diffusers transformer (T5 parameters are saved as modules, not base)."
+        )
+    return tuple(sorted(sources))
+
+
+def base_tensors(
+    state: Mapping[str, Tensor], arch: BaseArch, *, params: Iterable[str] = (), layers: Iterable[str] = ()
+) -> dict[str, Tensor]:
+    """SD3-named tensors for a weights file's `base.*`, from a diffusers-named state dict.
+
+    Args:
+        state: diffusers tensors by name (`transformer.state_dict()`, or full tensors a trainer
+            gathered); must hold every name `base_sources` returns for `params` and `layers`.
+        arch, params, layers: as for `base_sources`.
+
+    Returns:
+        SD3-named tensors (detached), ready for `t5core.weights.save(..., base=...)`.
+
+    Raises:
+        ValueError: as for `base_sources`.
+    """
+    names = base_sources(arch, params=params, layers=layers)
+    return diffusers_to_sd3({name: state[name].detach() for name in names}, arch)

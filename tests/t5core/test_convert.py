@@ -1,0 +1,78 @@
+"""t5core.convert: a weights file made ready for a model (`prepare`), and `base.*` tensors from a
+diffusers-named state dict (`base_sources`, `base_tensors`)."""
+
+import pytest
+import torch
+
+from t5core import BaseArch, T5Attention, T5Config
+from t5core import weights as t5w
+from t5core.convert import Prepared, base_sources, base_tensors, prepare
+
+ARCH = BaseArch(depth=3, heads=2, head_dim=8, dual_attention_layers=(0, 1))
+LAYERS = ("blocks.0.attn2", "blocks.2.attn")
+PROJ = "joint_blocks.2.x_block.attn.proj.weight"
+
+
+def write(tmp_path, *, base=None, variant="swiglu"):
+    torch.manual_seed(0)
+    modules = {name: T5Attention(2, 8, variant) for name in LAYERS}
+    config = T5Config(variant, 1.0, True, ())
+    return t5w.save(tmp_path / "t5.safetensors", modules, arch=ARCH, config=config, base=base), modules
+
+
+def no_state():
+    raise AssertionError("the model state is read only for a file with base.* tensors")
+
+
+def test_prepare_builds_the_chosen_modules_from_the_file(tmp_path):
+    path, modules = write(tmp_path)
+    prepared = prepare(path, ARCH, model_state=no_state, layers="joint:2", backend="torch")
+    assert isinstance(prepared, Prepared) and prepared.layers == ("blocks.2.attn",)
+    assert prepared.config == T5Config("swiglu", 1.0, True, ("blocks.2.attn",)) and prepared.base == {}
+    assert prepared.modules.keys() == {"blocks.2.attn"} and prepared.weights.path == str(path)
+    for key, tensor in modules["blocks.2.attn"].state_dict().items():
+        assert torch.equal(prepared.modules["blocks.2.attn"].state_dict()[key], tensor)
+    assert prepare(t5w.load(path), ARCH, model_state=no_state).layers == LAYERS
+
+
+def test_prepare_checks_base_tensors_against_the_model_state(tmp_path):
+    path, _ = write(tmp_path, base={PROJ: torch.randn(16, 16)})
+    fits = {PROJ: torch.empty(16, 16, device="meta")}
+    assert prepare(path, ARCH, model_state=lambda: fits).base.keys() == {PROJ}
+    misshapen = {PROJ: torch.empty(16, 8, device="meta")}
+    with pytest.raises(t5w.T5WeightsError, match=r"t5\.safetensors: base tensor .* the model's is \(16, 8\)"):
+        prepare(path, ARCH, model_state=lambda: misshapen)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        pytest.param({"variant": "mlp"}, r"holds variant 'swiglu', but variant='mlp'.*Drop the variant", id="variant"),
+        pytest.param({"layers": "joint:1"}, r"also needs blocks\.1\.attn", id="layers"),
+    ],
+)
+def test_prepare_refuses_what_the_file_cannot_serve(tmp_path, kwargs, match):
+    path, _ = write(tmp_path)
+    with pytest.raises(t5w.T5WeightsError, match=match):
+        prepare(path, ARCH, model_state=no_state, **kwargs)
+
+
+def test_a_fine_tuned_projection_brings_its_whole_fused_qkv():
+    q = "transformer_blocks.1.attn.to_q.weight"
+    sources = base_sources(ARCH, params=[q])
+    assert sources == tuple(f"transformer_blocks.1.attn.to_{p}.weight" for p in "kqv")
+    state = {name: torch.full((16, 16), float(i)) for i, name in enumerate(sources)}
+    fused = base_tensors(state, ARCH, params=[q])["joint_blocks.1.x_block.attn.qkv.weight"]
+    # SD3's rows are [q; k; v]; the sorted sources are k, q, v.
+    assert torch.equal(fused[:16], state[q]) and torch.equal(fused[16:32], state[sources[0]])
+
+
+def test_a_converted_layer_brings_its_inherited_projections_and_norms():
+    sources = base_sources(ARCH, layers=["blocks.0.attn2"])
+    assert sources and all(name.startswith("transformer_blocks.0.attn2.") for name in sources)
+    assert {"transformer_blocks.0.attn2.norm_q.weight", "transformer_blocks.0.attn2.to_out.0.bias"} <= set(sources)
+
+
+def test_a_name_that_is_not_an_inherited_weight_is_refused():
+    with pytest.raises(ValueError, match=r"\['transformer_blocks\.0\.attn\.processor\.t5\.w1'\] are not inherited"):
+        base_sources(ARCH, params=["transformer_blocks.0.attn.processor.t5.w1"])
