@@ -257,6 +257,8 @@ def test_readme_keeps_the_ci_test_commands():
         "pip install -r comfy-req.txt",  # noqa: E501
         'pip install -e ".[test]"',
         "COMFYUI_PATH=../shared/comfyui/0.33.0 python -m pytest",
+        "grep -vE '^(torch|torchvision|torchaudio)([<>=~ ]|$)' ../shared/comfyui/0.3.64/requirements.txt > floor-req.txt",  # noqa: E501
+        "pip install -r floor-req.txt",
         "COMFYUI_PATH=../shared/comfyui/0.3.64 python -m pytest -m comfyui",
     ):
         assert command in lines

@@ -14,6 +14,8 @@ import pytest
 from benchmarks import comfy_dynamic_vram
 from tests import comfy_env
 
+pytestmark = pytest.mark.comfyui  # a real server of the tree under test: runs on the floor tree too
+
 
 def test_the_dynamic_vram_check_passes_on_cpu(tmp_path):
     tree = comfy_env.locate()
