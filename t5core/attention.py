@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from t5core.backend import attend
 from t5core.config import T5Config
-from t5core.ttt import VARIANTS
+from t5core.contract import Variant, check_call, fast_weight_names
 
 __all__ = ["T5Attention"]
 
@@ -37,22 +37,20 @@ class T5Attention(nn.Module):
         self,
         heads: int,
         head_dim: int,
-        variant: str = "swiglu",
+        variant: Variant = "swiglu",
         key_norm_eps: float | None = 1.0,
         locality: bool = True,
         *,
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        if variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}.")
+        names = fast_weight_names(variant)
         if heads < 1 or head_dim < 1:
             raise ValueError(f"heads and head_dim must be positive; got heads={heads}, head_dim={head_dim}.")
         self.heads, self.head_dim = heads, head_dim
         self.variant, self.key_norm_eps, self.locality, self.backend = variant, key_norm_eps, locality, backend
-        n_weights = 3 if variant == "swiglu" else 2
-        for index in range(1, n_weights + 1):
-            self.register_parameter(f"w{index}", nn.Parameter(torch.empty(heads, head_dim, head_dim)))
+        for name in names:
+            self.register_parameter(name, nn.Parameter(torch.empty(heads, head_dim, head_dim)))
         channels = heads * head_dim
         if locality:
             self.q_conv = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
@@ -73,7 +71,8 @@ class T5Attention(nn.Module):
             self.k_conv.reset_parameters()
 
     def fast_weights(self) -> tuple[Tensor, ...]:
-        return (self.w1, self.w2, self.w3) if self.variant == "swiglu" else (self.w1, self.w2)
+        """`(w1, w2, w3)` (swiglu) or `(w1, w2)` (mlp)."""
+        return tuple(getattr(self, name) for name in fast_weight_names(self.variant))
 
     def extra_repr(self) -> str:
         return (
@@ -108,7 +107,10 @@ class T5Attention(nn.Module):
                 f"T5Attention was built for {self.heads} heads x {self.head_dim}; got q with "
                 f"(H, D) = {tuple(q.shape[-2:])}."
             )
-        arguments = dict(
+        params, layout = check_call(
+            q,
+            k,
+            v,
             weights=self.fast_weights(),
             variant=self.variant,
             q_conv=(self.q_conv.weight, self.q_conv.bias) if self.locality else None,
@@ -118,4 +120,4 @@ class T5Attention(nn.Module):
             text_first=text_first,
             key_norm_eps=self.key_norm_eps,
         )
-        return attend(self.backend, q, k, v, **arguments)
+        return attend(self.backend, q, k, v, params, layout)

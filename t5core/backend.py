@@ -1,8 +1,8 @@
 """Backend choice for T5 attention, made in one place and reported.
 
-`"torch"` runs `t5core.ttt.t5_attention_ref`; `"triton"` runs the fused kernels of the `t5kernels`
-package; `"auto"` picks Triton for CUDA tensors when the kernels support the call, else torch, and
-logs once per reason which path runs. The environment variable `T5_BACKEND` overrides `"auto"`.
+`"torch"` runs `t5core.ttt.reference_attention`; `"triton"` runs `t5kernels.fused_attention`;
+`"auto"` picks Triton for CUDA tensors when the kernels support the call, else torch, and logs
+once per reason which path runs. The environment variable `T5_BACKEND` overrides `"auto"`.
 Under `"auto"`, kernels that Triton cannot build or launch on this machine are reported once and
 that (device, dtype, head dim, variant) takes the torch path from then on.
 """
@@ -18,7 +18,8 @@ from typing import Literal
 
 from torch import Tensor
 
-from t5core.ttt import t5_attention_ref
+from t5core.contract import T5Layout, T5Params
+from t5core.ttt import reference_attention
 
 __all__ = ["Backend", "BACKENDS", "attend", "resolve_backend"]
 
@@ -62,19 +63,8 @@ def _requested(requested: str) -> str:
     return requested
 
 
-def resolve_backend(requested: str, q: Tensor, *, variant: str) -> Literal["torch", "triton"]:
-    """Resolve `auto | torch | triton` for one call.
-
-    Args:
-        requested (`str`): the module's backend setting.
-        q (`Tensor`): the queries of the call (device, dtype, shape decide support).
-        variant (`str`): the inner model.
-
-    Raises:
-        ValueError: an unknown backend name (argument or `T5_BACKEND`).
-        RuntimeError: `"triton"` was requested and cannot run this call; says why and what to do.
-    """
-    requested = _requested(requested)
+def _choose(requested: str, q: Tensor, variant: str) -> Literal["torch", "triton"]:
+    """The backend for one call, from an already normalised `requested`; asks the kernels once."""
     if requested == "torch":
         return "torch"
     package = _kernels()
@@ -94,26 +84,42 @@ def resolve_backend(requested: str, q: Tensor, *, variant: str) -> Literal["torc
     return "torch"
 
 
-def attend(requested: str, q: Tensor, k: Tensor, v: Tensor, **arguments) -> Tensor:
-    """One T5 attention call on the backend `requested` resolves to (`resolve_backend`).
+def resolve_backend(requested: str, q: Tensor, *, variant: str) -> Literal["torch", "triton"]:
+    """Resolve `auto | torch | triton` for one call.
+
+    Args:
+        requested (`str`): the module's backend setting.
+        q (`Tensor`): the queries of the call (device, dtype, shape decide support).
+        variant (`str`): the inner model.
+
+    Raises:
+        ValueError: an unknown backend name (argument or `T5_BACKEND`).
+        RuntimeError: `"triton"` was requested and cannot run this call; says why and what to do.
+    """
+    return _choose(_requested(requested), q, variant)
+
+
+def attend(requested: str, q: Tensor, k: Tensor, v: Tensor, params: T5Params, layout: T5Layout) -> Tensor:
+    """One checked T5 attention call on the backend `requested` resolves to (`resolve_backend`).
 
     Args:
         requested (`str`): `"auto" | "torch" | "triton"`.
-        q, k, v, **arguments: as `t5core.ttt.t5_attention_ref` takes them (`variant` included).
+        q, k, v (`Tensor`): `(B, N, H, D)`.
+        params, layout: the call as `t5core.contract.check_call` returned it.
 
     Raises:
+        ValueError, RuntimeError: as `resolve_backend` raises them.
         t5kernels.KernelBuildError: `"triton"` was requested and Triton cannot build or launch the
             kernels here. Under `"auto"` that is logged as a warning and the torch path runs.
     """
-    variant = arguments.get("variant", "swiglu")
     requested = _requested(requested)
-    if resolve_backend(requested, q, variant=variant) == "triton":
+    if _choose(requested, q, layout.variant) == "triton":
         package = _kernels()
         try:
-            return package.t5_attention(q, k, v, **arguments)
+            return package.fused_attention(q, k, v, params, layout)
         except package.KernelBuildError as error:
             if requested != "auto":
                 raise
-            _BUILD_FAILURES[_failure_key(q, variant)] = f"the kernels failed to build or launch here: {error}"
+            _BUILD_FAILURES[_failure_key(q, layout.variant)] = f"the kernels failed to build or launch here: {error}"
             logger.warning("T5 attention: %s; running the torch path for these calls from now on", error)
-    return t5_attention_ref(q, k, v, **arguments)
+    return reference_attention(q, k, v, params, layout)

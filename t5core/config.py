@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from t5core.ttt import VARIANTS
+from t5core.contract import Variant, check_variant
 
 __all__ = ["BaseArch", "T5Config"]
 
@@ -83,14 +83,13 @@ class T5Config:
         layers (`tuple[str, ...]`): the resolved layer spec, module names like `blocks.3.attn`.
     """
 
-    variant: str = "swiglu"
+    variant: Variant = "swiglu"
     key_norm_eps: float | None = 1.0
     locality: bool = True
     layers: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {VARIANTS}; got {self.variant!r}.")
+        check_variant(self.variant)
         if self.key_norm_eps is not None and not self.key_norm_eps > 0:
             raise ValueError(f"key_norm_eps must be positive or None; got {self.key_norm_eps}.")
         object.__setattr__(self, "layers", tuple(self.layers))

@@ -25,71 +25,21 @@ back to the input dtype. Nothing here writes into its inputs.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from t5core.contract import T5Layout, T5Params, Variant, check_call, check_variant
+
 __all__ = [
-    "Variant",
-    "VARIANTS",
     "apply_locality",
-    "check_layout",
+    "inner_apply",
     "inner_loss",
     "inner_step",
-    "inner_apply",
     "key_instance_norm",
+    "reference_attention",
     "t5_attention_ref",
 ]
-
-Variant = Literal["swiglu", "mlp"]
-VARIANTS: tuple[str, ...] = ("swiglu", "mlp")
-
-
-def check_layout(
-    q: Tensor, k: Tensor, v: Tensor, *, grid: tuple[int, int] | None, text_tokens: int, needs_grid: bool
-) -> tuple[int, int] | None:
-    """Validate (B, N, H, D) inputs against the grid and text length.
-
-    Returns:
-        The grid `(h, w)` (or None when no grid was given and none is needed).
-
-    Raises:
-        ValueError: shapes disagree, the text length is out of range, or the grid is missing or
-            does not cover the image tokens.
-    """
-    if q.dim() != 4:
-        raise ValueError(f"q must be (B, N, H, D); got a tensor with shape {tuple(q.shape)}.")
-    if q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(
-            f"q, k and v must have the same shape (B, N, H, D); got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}."
-        )
-    if not (q.is_floating_point() and k.is_floating_point() and v.is_floating_point()):
-        raise TypeError(f"q, k and v must be floating point; got {q.dtype}, {k.dtype}, {v.dtype}.")
-    n = q.shape[1]
-    if not 0 <= text_tokens < n:
-        raise ValueError(
-            f"text_tokens must be in [0, N) = [0, {n}); got {text_tokens}. "
-            "The sequence must hold at least one image token."
-        )
-    if grid is None:
-        if needs_grid:
-            raise ValueError(
-                f"grid=(h, w) is required for the locality convs: {n - text_tokens} image tokens "
-                "cannot be laid out without it. Pass the latent token grid (latent H and W divided "
-                "by the patch size)."
-            )
-        return None
-    h, w = (int(x) for x in grid)
-    if h < 1 or w < 1 or h * w != n - text_tokens:
-        raise ValueError(
-            f"grid {tuple(grid)} holds {h * w} image tokens but the sequence has "
-            f"N - text_tokens = {n} - {text_tokens} = {n - text_tokens}. Pass the latent token "
-            "grid (latent H and W divided by the patch size)."
-        )
-    return h, w
 
 
 def key_instance_norm(k: Tensor, eps: float = 1.0) -> Tensor:
@@ -194,6 +144,7 @@ def inner_step(k_BHND: Tensor, v_BHND: Tensor, weights: tuple[Tensor, ...], vari
     Returns:
         The updated fast weights W' = W - dL/dW, each `(B, H, D, D)`.
     """
+    check_variant(variant)
     n, dim = k_BHND.shape[-2:]
     scale = dim**-0.5
     k_t = k_BHND.transpose(-1, -2)
@@ -207,15 +158,13 @@ def inner_step(k_BHND: Tensor, v_BHND: Tensor, weights: tuple[Tensor, ...], vari
         g2 = k_t @ (da2 * a1)
         g3 = (a1 * z2).transpose(-1, -2) @ e
         return w1 - g1, w2 - g2, w3 - g3
-    if variant == "mlp":
-        w1, w2 = weights
-        z1 = k_BHND @ w1
-        a1 = F.silu(z1)
-        e = (a1 @ w2 - v_BHND) * (scale / n)
-        g1 = k_t @ ((e @ w2.transpose(-1, -2)) * _silu_grad(z1))
-        g2 = a1.transpose(-1, -2) @ e
-        return w1 - g1, w2 - g2
-    raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}.")
+    w1, w2 = weights
+    z1 = k_BHND @ w1
+    a1 = F.silu(z1)
+    e = (a1 @ w2 - v_BHND) * (scale / n)
+    g1 = k_t @ ((e @ w2.transpose(-1, -2)) * _silu_grad(z1))
+    g2 = a1.transpose(-1, -2) @ e
+    return w1 - g1, w2 - g2
 
 
 def inner_apply(q_BHND: Tensor, weights: tuple[Tensor, ...], variant: Variant) -> Tensor:
@@ -223,53 +172,43 @@ def inner_apply(q_BHND: Tensor, weights: tuple[Tensor, ...], variant: Variant) -
     return _fast_forward(q_BHND, weights, variant)
 
 
-def t5_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    weights: tuple[Tensor, ...],
-    variant: Variant = "swiglu",
-    q_conv: tuple[Tensor, Tensor | None] | None = None,
-    k_conv: tuple[Tensor, Tensor | None] | None = None,
-    grid: tuple[int, int] | None = None,
-    text_tokens: int = 0,
-    text_first: bool = True,
-    key_norm_eps: float | None = 1.0,
-) -> Tensor:
+def t5_attention_ref(q: Tensor, k: Tensor, v: Tensor, **arguments) -> Tensor:
     """T5 attention, reference path: key norm, locality, one inner step, apply to queries.
 
     Args:
-        q, k, v (`Tensor`): `(B, N, H, D)` in any float dtype, as the host's attention computes them
-            (after its per-head q/k RMSNorm).
-        weights (`tuple[Tensor, ...]`): initial fast weights `(W1, W2, W3)` (swiglu) or `(W1, W2)`
-            (mlp), each `(H, D, D)`.
-        variant (`"swiglu" | "mlp"`, *optional*, defaults to `"swiglu"`): the inner model.
-        q_conv, k_conv (`tuple`, *optional*): `(weight (H*D, 1, 3, 3), bias (H*D,))` of the locality
-            convs; both None disables locality.
-        grid (`tuple[int, int]`, *optional*): image token grid `(h, w)`; required with locality.
-        text_tokens (`int`, *optional*, defaults to 0): text tokens in the sequence.
-        text_first (`bool`, *optional*, defaults to True): text before or after the image tokens.
-        key_norm_eps (`float`, *optional*, defaults to 1.0): key instance norm eps; None disables
-            the key norm (an ablation, unstable on pretrained keys).
+        q, k, v (`Tensor`): `(B, N, H, D)` in any float dtype.
+        **arguments: the rest of the call contract, checked by `t5core.contract.check_call`:
+            `weights` (required), `variant`, `q_conv`, `k_conv`, `grid`, `text_tokens`, `text_first`,
+            `key_norm_eps`.
+
+    Returns:
+        `(B, N, H, D)` in the dtype of `q`.
+
+    Raises:
+        ValueError, TypeError: as `check_call` raises them for a call that breaks the contract.
+    """
+    return reference_attention(q, k, v, *check_call(q, k, v, **arguments))
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, params: T5Params, layout: T5Layout) -> Tensor:
+    """`t5_attention_ref` on a call `check_call` has already checked (what `t5core.backend` runs).
+
+    Args:
+        q, k, v (`Tensor`): `(B, N, H, D)` as checked.
+        params (`T5Params`): the fast weights and the locality convs.
+        layout (`T5Layout`): grid, text layout, variant and key-norm eps of the call.
 
     Returns:
         `(B, N, H, D)` in the dtype of `q`.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}.")
-    expected = 3 if variant == "swiglu" else 2
-    if len(weights) != expected:
-        raise ValueError(f"variant {variant!r} takes {expected} fast weights; got {len(weights)}.")
-    if (q_conv is None) != (k_conv is None):
-        raise ValueError("pass both q_conv and k_conv for locality, or neither.")
-    grid = check_layout(q, k, v, grid=grid, text_tokens=text_tokens, needs_grid=q_conv is not None)
+    token_layout = dict(grid=layout.grid, text_tokens=layout.text_tokens, text_first=layout.text_first)
     with torch.autocast(device_type=q.device.type, enabled=False):
         q32, v32 = q.float(), v.float()
-        k32 = k.float() if key_norm_eps is None else key_instance_norm(k, key_norm_eps)
-        if q_conv is not None:
-            q32 = apply_locality(q32, *q_conv, grid=grid, text_tokens=text_tokens, text_first=text_first)
-            k32 = apply_locality(k32, *k_conv, grid=grid, text_tokens=text_tokens, text_first=text_first)
-        fast = inner_step(k32.transpose(1, 2), v32.transpose(1, 2), tuple(w.float() for w in weights), variant)
-        out_BHND = inner_apply(q32.transpose(1, 2), fast, variant)
+        k32 = k.float() if layout.key_norm_eps is None else key_instance_norm(k, layout.key_norm_eps)
+        if layout.locality:
+            q32 = apply_locality(q32, *params.q_conv, **token_layout)
+            k32 = apply_locality(k32, *params.k_conv, **token_layout)
+        weights = tuple(w.float() for w in params.weights)
+        fast = inner_step(k32.transpose(1, 2), v32.transpose(1, 2), weights, layout.variant)
+        out_BHND = inner_apply(q32.transpose(1, 2), fast, layout.variant)
     return out_BHND.transpose(1, 2).to(q.dtype)

@@ -15,10 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
-from t5kernels.fwd import error_sign
-from t5kernels.launch import LAYOUT_ARGS, Plan
+from t5kernels.launch import LAYOUT_ARGS, Plan, error_sign
 from t5kernels.reduce import combine
 from t5kernels.tiles import (
+    STAT_ROWS,
+    TAPS,
     conv_tile,
     image_position,
     load_dd,
@@ -60,7 +61,7 @@ def inner_apply_bwd_kernel(
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    h, row_offset = pair_offset(bh, n_tokens, H, D)
+    h, row_offset = pair_offset(bh, n_tokens, H=H, D=D)
     offs_d = tl.arange(0, D)
     no_norm = tl.zeros([D], dtype=tl.float32)
     w_pair = w_ptr + bh.to(tl.int64) * NW * D * D
@@ -68,49 +69,53 @@ def inner_apply_bwd_kernel(
     g2 = tl.zeros([D, D], dtype=tl.float32)
     g3 = tl.zeros([D, D], dtype=tl.float32)  # swiglu only
     for i in range(tiles_per_split):
-        tok, valid = tile_tokens(split * tiles_per_split + i, n_tokens, BLOCK_N)
-        is_image, row, col = image_position(tok, n_tokens, text_tokens, n_image, grid_w, TEXT_FIRST)
+        tok, valid = tile_tokens(split * tiles_per_split + i, n_tokens, BLOCK_N=BLOCK_N)
+        is_image, row, col = image_position(
+            tok, n_tokens, text_tokens, n_image=n_image, grid_w=grid_w, TEXT_FIRST=TEXT_FIRST
+        )
         q2 = conv_tile(
             q_ptr + row_offset,
             H * D,
             tok,
-            offs_d,
-            valid,
-            is_image,
-            row,
-            col,
-            grid_h,
-            grid_w,
-            no_norm,
-            no_norm,
-            taps_ptr + h * 9 * D,
-            bias_ptr + h * D,
-            D,
-            False,
-            HAS_CONV,
-            False,
+            offs_d=offs_d,
+            valid=valid,
+            is_image=is_image,
+            row=row,
+            col=col,
+            grid_h=grid_h,
+            grid_w=grid_w,
+            mean=no_norm,
+            rstd=no_norm,
+            taps_ptr=taps_ptr + h * TAPS * D,
+            bias_ptr=bias_ptr + h * D,
+            D=D,
+            HAS_NORM=False,
+            HAS_CONV=HAS_CONV,
+            FLIP=False,
         )  # [BLOCK_N, D]
-        do = load_rows(do_ptr + row_offset, H * D, tok, offs_d, valid, no_norm, no_norm, False)
+        do = load_rows(
+            do_ptr + row_offset, H * D, tok, offs_d=offs_d, valid=valid, mean=no_norm, rstd=no_norm, HAS_NORM=False
+        )
         q2_t = tl.trans(q2)
-        z1 = mm(q2, load_dd(w_pair, offs_d, D, False, DT), DT)
+        z1 = mm(q2, load_dd(w_pair, offs_d, D=D, TRANSPOSE=False, DT=DT), DT=DT)
         _, a1, silu_grad = silu_with_grad(z1)
         if SWIGLU:
-            z2 = mm(q2, load_dd(w_pair + D * D, offs_d, D, False, DT), DT)
-            da2 = mm(do, load_dd(w_pair + 2 * D * D, offs_d, D, True, DT), DT)
-            g3 += mm(tl.trans(a1 * z2), do, DT)
+            z2 = mm(q2, load_dd(w_pair + D * D, offs_d, D=D, TRANSPOSE=False, DT=DT), DT=DT)
+            da2 = mm(do, load_dd(w_pair + 2 * D * D, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT)
+            g3 += mm(tl.trans(a1 * z2), do, DT=DT)
             dz1 = da2 * z2 * silu_grad
             dz2 = da2 * a1
-            g1 += mm(q2_t, dz1, DT)
-            g2 += mm(q2_t, dz2, DT)
-            dq2 = mm(dz1, load_dd(w_pair, offs_d, D, True, DT), DT)
-            dq2 += mm(dz2, load_dd(w_pair + D * D, offs_d, D, True, DT), DT)
+            g1 += mm(q2_t, dz1, DT=DT)
+            g2 += mm(q2_t, dz2, DT=DT)
+            dq2 = mm(dz1, load_dd(w_pair, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT)
+            dq2 += mm(dz2, load_dd(w_pair + D * D, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT)
         else:
-            dz1 = mm(do, load_dd(w_pair + D * D, offs_d, D, True, DT), DT) * silu_grad
-            g2 += mm(tl.trans(a1), do, DT)
-            g1 += mm(q2_t, dz1, DT)
-            dq2 = mm(dz1, load_dd(w_pair, offs_d, D, True, DT), DT)
+            dz1 = mm(do, load_dd(w_pair + D * D, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT) * silu_grad
+            g2 += mm(tl.trans(a1), do, DT=DT)
+            g1 += mm(q2_t, dz1, DT=DT)
+            dq2 = mm(dz1, load_dd(w_pair, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT)
         tl.store(dq2_ptr + row_offset + tok[:, None] * (H * D) + offs_d[None, :], dq2, mask=valid[:, None])
-    store_partials(part_ptr, split, bh, g1, g2, g3, offs_d, D, NW)
+    store_partials(part_ptr, split, bh, g1=g1, g2=g2, g3=g3, offs_d=offs_d, D=D, NW=NW)
 
 
 @triton.jit(do_not_specialize=LAYOUT_ARGS)
@@ -146,82 +151,86 @@ def inner_step_bwd_kernel(
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    h, row_offset = pair_offset(bh, n_tokens, H, D)
+    h, row_offset = pair_offset(bh, n_tokens, H=H, D=D)
     k_base = k_ptr + row_offset
     offs_d = tl.arange(0, D)
-    mean, rstd = norm_stats(stats_ptr + bh * 2 * D, k_base, n_tokens, eps, offs_d, D, HAS_NORM)
+    mean, rstd = norm_stats(
+        stats_ptr + bh * STAT_ROWS * D, k_base, n_tokens, eps=eps, offs_d=offs_d, D=D, HAS_NORM=HAS_NORM
+    )
     w_head = w_ptr + h * NW * D * D
     u_pair = u_ptr + bh.to(tl.int64) * NW * D * D
     g1 = tl.zeros([D, D], dtype=tl.float32)
     g2 = tl.zeros([D, D], dtype=tl.float32)
     g3 = tl.zeros([D, D], dtype=tl.float32)  # swiglu only
     for i in range(tiles_per_split):
-        tok, valid = tile_tokens(split * tiles_per_split + i, n_tokens, BLOCK_N)
-        is_image, row, col = image_position(tok, n_tokens, text_tokens, n_image, grid_w, TEXT_FIRST)
+        tok, valid = tile_tokens(split * tiles_per_split + i, n_tokens, BLOCK_N=BLOCK_N)
+        is_image, row, col = image_position(
+            tok, n_tokens, text_tokens, n_image=n_image, grid_w=grid_w, TEXT_FIRST=TEXT_FIRST
+        )
         k2 = conv_tile(
             k_base,
             H * D,
             tok,
-            offs_d,
-            valid,
-            is_image,
-            row,
-            col,
-            grid_h,
-            grid_w,
-            mean,
-            rstd,
-            taps_ptr + h * 9 * D,
-            bias_ptr + h * D,
-            D,
-            HAS_NORM,
-            HAS_CONV,
-            False,
+            offs_d=offs_d,
+            valid=valid,
+            is_image=is_image,
+            row=row,
+            col=col,
+            grid_h=grid_h,
+            grid_w=grid_w,
+            mean=mean,
+            rstd=rstd,
+            taps_ptr=taps_ptr + h * TAPS * D,
+            bias_ptr=bias_ptr + h * D,
+            D=D,
+            HAS_NORM=HAS_NORM,
+            HAS_CONV=HAS_CONV,
+            FLIP=False,
         )  # [BLOCK_N, D]
-        v = load_rows(v_ptr + row_offset, H * D, tok, offs_d, valid, mean, rstd, False)
+        v = load_rows(v_ptr + row_offset, H * D, tok, offs_d=offs_d, valid=valid, mean=mean, rstd=rstd, HAS_NORM=False)
         k2_t = tl.trans(k2)
-        z1 = mm(k2, load_dd(w_head, offs_d, D, False, DT), DT)
+        z1 = mm(k2, load_dd(w_head, offs_d, D=D, TRANSPOSE=False, DT=DT), DT=DT)
         sig, a1, silu_grad = silu_with_grad(z1)
         silu_grad2 = sig * (1.0 - sig) * (2.0 + z1 * (1.0 - 2.0 * sig))
         # tangent of the inner forward along U (dots: derivative along U)
-        z1_dot = mm(k2, load_dd(u_pair, offs_d, D, False, DT), DT)
+        z1_dot = mm(k2, load_dd(u_pair, offs_d, D=D, TRANSPOSE=False, DT=DT), DT=DT)
         a1_dot = silu_grad * z1_dot
         if SWIGLU:
-            z2 = mm(k2, load_dd(w_head + D * D, offs_d, D, False, DT), DT)
-            z2_dot = mm(k2, load_dd(u_pair + D * D, offs_d, D, False, DT), DT)
+            z2 = mm(k2, load_dd(w_head + D * D, offs_d, D=D, TRANSPOSE=False, DT=DT), DT=DT)
+            z2_dot = mm(k2, load_dd(u_pair + D * D, offs_d, D=D, TRANSPOSE=False, DT=DT), DT=DT)
             a2_dot = a1_dot * z2 + a1 * z2_dot
-            y_dot = mm(a2_dot, load_dd(w_head + 2 * D * D, offs_d, D, False, DT), DT)
-            y_dot += mm(a1 * z2, load_dd(u_pair + 2 * D * D, offs_d, D, False, DT), DT)
+            y_dot = mm(a2_dot, load_dd(w_head + 2 * D * D, offs_d, D=D, TRANSPOSE=False, DT=DT), DT=DT)
+            y_dot += mm(a1 * z2, load_dd(u_pair + 2 * D * D, offs_d, D=D, TRANSPOSE=False, DT=DT), DT=DT)
             # reverse pass of phi_u = v . y_dot
-            d_a2_dot = mm(v, load_dd(w_head + 2 * D * D, offs_d, D, True, DT), DT)
-            d_a2 = mm(v, load_dd(u_pair + 2 * D * D, offs_d, D, True, DT), DT)
-            g3 += mm(tl.trans(a2_dot), v, DT)
+            d_a2_dot = mm(v, load_dd(w_head + 2 * D * D, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT)
+            d_a2 = mm(v, load_dd(u_pair + 2 * D * D, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT)
+            g3 += mm(tl.trans(a2_dot), v, DT=DT)
             d_a1_dot = d_a2_dot * z2
             dz2 = d_a2_dot * a1_dot + d_a2 * a1
             d_a1 = d_a2_dot * z2_dot + d_a2 * z2
             dz1 = d_a1_dot * z1_dot * silu_grad2 + d_a1 * silu_grad
-            dk = mm(d_a1_dot * silu_grad, load_dd(u_pair, offs_d, D, True, DT), DT)
-            dk += mm(d_a2_dot * a1, load_dd(u_pair + D * D, offs_d, D, True, DT), DT)
-            dk += mm(dz1, load_dd(w_head, offs_d, D, True, DT), DT)
-            dk += mm(dz2, load_dd(w_head + D * D, offs_d, D, True, DT), DT)
-            g2 += mm(k2_t, dz2, DT)
+            dk = mm(d_a1_dot * silu_grad, load_dd(u_pair, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT)
+            dk += mm(d_a2_dot * a1, load_dd(u_pair + D * D, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT)
+            dk += mm(dz1, load_dd(w_head, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT)
+            dk += mm(dz2, load_dd(w_head + D * D, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT)
+            g2 += mm(k2_t, dz2, DT=DT)
         else:
-            e = mm(a1, load_dd(w_head + D * D, offs_d, D, False, DT), DT) - v
-            y_dot = mm(a1_dot, load_dd(w_head + D * D, offs_d, D, False, DT), DT)
-            y_dot += mm(a1, load_dd(u_pair + D * D, offs_d, D, False, DT), DT)
+            e = mm(a1, load_dd(w_head + D * D, offs_d, D=D, TRANSPOSE=False, DT=DT), DT=DT) - v
+            y_dot = mm(a1_dot, load_dd(w_head + D * D, offs_d, D=D, TRANSPOSE=False, DT=DT), DT=DT)
+            y_dot += mm(a1, load_dd(u_pair + D * D, offs_d, D=D, TRANSPOSE=False, DT=DT), DT=DT)
             # reverse pass of phi_u = (f(k) - v) . y_dot
-            d_a1_dot = mm(e, load_dd(w_head + D * D, offs_d, D, True, DT), DT)
-            g2 += mm(tl.trans(a1_dot), e, DT) + mm(tl.trans(a1), y_dot, DT)
-            d_a1 = mm(e, load_dd(u_pair + D * D, offs_d, D, True, DT), DT)
-            d_a1 += mm(y_dot, load_dd(w_head + D * D, offs_d, D, True, DT), DT)
+            d_a1_dot = mm(e, load_dd(w_head + D * D, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT)
+            g2 += mm(tl.trans(a1_dot), e, DT=DT) + mm(tl.trans(a1), y_dot, DT=DT)
+            d_a1 = mm(e, load_dd(u_pair + D * D, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT)
+            d_a1 += mm(y_dot, load_dd(w_head + D * D, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT)
             dz1 = d_a1_dot * z1_dot * silu_grad2 + d_a1 * silu_grad
-            dk = mm(d_a1_dot * silu_grad, load_dd(u_pair, offs_d, D, True, DT), DT)
-            dk += mm(dz1, load_dd(w_head, offs_d, D, True, DT), DT)
-        g1 += mm(k2_t, dz1, DT)
+            dk = mm(d_a1_dot * silu_grad, load_dd(u_pair, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT)
+            dk += mm(dz1, load_dd(w_head, offs_d, D=D, TRANSPOSE=True, DT=DT), DT=DT)
+        g1 += mm(k2_t, dz1, DT=DT)
         rows = row_offset + tok[:, None] * (H * D) + offs_d[None, :]
         tl.store(dk2_ptr + rows, dk * dk_scale, mask=valid[:, None])
         tl.store(dv_ptr + rows, (y_dot * dv_scale).to(dv_ptr.dtype.element_ty), mask=valid[:, None])
-    store_partials(part_ptr, split, bh, g1, g2, g3, offs_d, D, NW)
+    store_partials(part_ptr, split, bh, g1=g1, g2=g2, g3=g3, offs_d=offs_d, D=D, NW=NW)
 
 
 def inner_apply_bwd(

@@ -16,9 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from t5kernels.launch import LAYOUT_ARGS, Plan
+from t5kernels.launch import LAYOUT_ARGS, Plan, error_sign
 from t5kernels.reduce import combine
 from t5kernels.tiles import (
+    STAT_ROWS,
+    TAPS,
     conv_tile,
     image_position,
     load_rows,
@@ -30,12 +32,7 @@ from t5kernels.tiles import (
     tile_tokens,
 )
 
-__all__ = ["error_sign", "inner_apply_fwd", "inner_step_fwd"]
-
-
-def error_sign(variant: str) -> float:
-    """e = SIGN * scale/N * e_u with e_u = v (swiglu, e = -scale/N v) or f(k) - v (mlp)."""
-    return -1.0 if variant == "swiglu" else 1.0
+__all__ = ["inner_apply_fwd", "inner_step_fwd"]
 
 
 @triton.jit(do_not_specialize=LAYOUT_ARGS)
@@ -66,14 +63,16 @@ def inner_step_fwd_kernel(
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    h, row_offset = pair_offset(bh, n_tokens, H, D)
+    h, row_offset = pair_offset(bh, n_tokens, H=H, D=D)
     k_base = k_ptr + row_offset
     v_base = v_ptr + row_offset
     offs_d = tl.arange(0, D)
     offs_dd = offs_d[:, None] * D + offs_d[None, :]
     offs_dd_t = offs_d[None, :] * D + offs_d[:, None]
-    mean, rstd = norm_stats(stats_ptr + bh * 2 * D, k_base, n_tokens, eps, offs_d, D, HAS_NORM)
-    taps = taps_ptr + h * 9 * D
+    mean, rstd = norm_stats(
+        stats_ptr + bh * STAT_ROWS * D, k_base, n_tokens, eps=eps, offs_d=offs_d, D=D, HAS_NORM=HAS_NORM
+    )
+    taps = taps_ptr + h * TAPS * D
     bias = bias_ptr + h * D
     w_head = w_ptr + h * NW * D * D
     w1 = tl.load(w_head + offs_dd).to(DT)  # [D, D], kept in registers as MMA operands
@@ -87,43 +86,45 @@ def inner_step_fwd_kernel(
         w2_t = tl.load(w_head + D * D + offs_dd_t).to(DT)
         w2 = tl.load(w_head + D * D + offs_dd).to(DT)
     for i in range(tiles_per_split):
-        tok, valid = tile_tokens(split * tiles_per_split + i, n_tokens, BLOCK_N)
-        is_image, row, col = image_position(tok, n_tokens, text_tokens, n_image, grid_w, TEXT_FIRST)
+        tok, valid = tile_tokens(split * tiles_per_split + i, n_tokens, BLOCK_N=BLOCK_N)
+        is_image, row, col = image_position(
+            tok, n_tokens, text_tokens, n_image=n_image, grid_w=grid_w, TEXT_FIRST=TEXT_FIRST
+        )
         k2 = conv_tile(
             k_base,
             H * D,
             tok,
-            offs_d,
-            valid,
-            is_image,
-            row,
-            col,
-            grid_h,
-            grid_w,
-            mean,
-            rstd,
-            taps,
-            bias,
-            D,
-            HAS_NORM,
-            HAS_CONV,
-            False,
+            offs_d=offs_d,
+            valid=valid,
+            is_image=is_image,
+            row=row,
+            col=col,
+            grid_h=grid_h,
+            grid_w=grid_w,
+            mean=mean,
+            rstd=rstd,
+            taps_ptr=taps,
+            bias_ptr=bias,
+            D=D,
+            HAS_NORM=HAS_NORM,
+            HAS_CONV=HAS_CONV,
+            FLIP=False,
         )  # [BLOCK_N, D], 0 on rows past N
-        v = load_rows(v_base, H * D, tok, offs_d, valid, mean, rstd, False)
-        z1 = mm(k2, w1, DT)
+        v = load_rows(v_base, H * D, tok, offs_d=offs_d, valid=valid, mean=mean, rstd=rstd, HAS_NORM=False)
+        z1 = mm(k2, w1, DT=DT)
         _, a1, silu_grad = silu_with_grad(z1)
         k2_t = tl.trans(k2)
         if SWIGLU:
-            z2 = mm(k2, w2, DT)
-            da2 = mm(v, w3_t, DT)
-            g1 += mm(k2_t, da2 * z2 * silu_grad, DT)
-            g2 += mm(k2_t, da2 * a1, DT)
-            g3 += mm(tl.trans(a1 * z2), v, DT)
+            z2 = mm(k2, w2, DT=DT)
+            da2 = mm(v, w3_t, DT=DT)
+            g1 += mm(k2_t, da2 * z2 * silu_grad, DT=DT)
+            g2 += mm(k2_t, da2 * a1, DT=DT)
+            g3 += mm(tl.trans(a1 * z2), v, DT=DT)
         else:
-            e = mm(a1, w2, DT) - v
-            g1 += mm(k2_t, mm(e, w2_t, DT) * silu_grad, DT)
-            g2 += mm(tl.trans(a1), e, DT)
-    store_partials(part_ptr, split, bh, g1, g2, g3, offs_d, D, NW)
+            e = mm(a1, w2, DT=DT) - v
+            g1 += mm(k2_t, mm(e, w2_t, DT=DT) * silu_grad, DT=DT)
+            g2 += mm(tl.trans(a1), e, DT=DT)
+    store_partials(part_ptr, split, bh, g1=g1, g2=g2, g3=g3, offs_d=offs_d, D=D, NW=NW)
 
 
 @triton.jit(do_not_specialize=LAYOUT_ARGS[:-1])
@@ -149,40 +150,42 @@ def inner_apply_fwd_kernel(
 ):
     tile = tl.program_id(0)
     bh = tl.program_id(1)
-    h, row_offset = pair_offset(bh, n_tokens, H, D)
+    h, row_offset = pair_offset(bh, n_tokens, H=H, D=D)
     offs_d = tl.arange(0, D)
     offs_dd = offs_d[:, None] * D + offs_d[None, :]
-    tok, valid = tile_tokens(tile, n_tokens, BLOCK_N)
-    is_image, row, col = image_position(tok, n_tokens, text_tokens, n_image, grid_w, TEXT_FIRST)
+    tok, valid = tile_tokens(tile, n_tokens, BLOCK_N=BLOCK_N)
+    is_image, row, col = image_position(
+        tok, n_tokens, text_tokens, n_image=n_image, grid_w=grid_w, TEXT_FIRST=TEXT_FIRST
+    )
     no_norm = tl.zeros([D], dtype=tl.float32)
     q2 = conv_tile(
         q_ptr + row_offset,
         H * D,
         tok,
-        offs_d,
-        valid,
-        is_image,
-        row,
-        col,
-        grid_h,
-        grid_w,
-        no_norm,
-        no_norm,
-        taps_ptr + h * 9 * D,
-        bias_ptr + h * D,
-        D,
-        False,
-        HAS_CONV,
-        False,
+        offs_d=offs_d,
+        valid=valid,
+        is_image=is_image,
+        row=row,
+        col=col,
+        grid_h=grid_h,
+        grid_w=grid_w,
+        mean=no_norm,
+        rstd=no_norm,
+        taps_ptr=taps_ptr + h * TAPS * D,
+        bias_ptr=bias_ptr + h * D,
+        D=D,
+        HAS_NORM=False,
+        HAS_CONV=HAS_CONV,
+        FLIP=False,
     )  # [BLOCK_N, D]
     w_pair = w_ptr + bh.to(tl.int64) * NW * D * D
-    a1 = mm(q2, tl.load(w_pair + offs_dd), DT)
+    a1 = mm(q2, tl.load(w_pair + offs_dd), DT=DT)
     a1 = a1 * tl.sigmoid(a1)
     if SWIGLU:
-        a2 = a1 * mm(q2, tl.load(w_pair + D * D + offs_dd), DT)
-        o = mm(a2, tl.load(w_pair + 2 * D * D + offs_dd), DT)
+        a2 = a1 * mm(q2, tl.load(w_pair + D * D + offs_dd), DT=DT)
+        o = mm(a2, tl.load(w_pair + 2 * D * D + offs_dd), DT=DT)
     else:
-        o = mm(a1, tl.load(w_pair + D * D + offs_dd), DT)
+        o = mm(a1, tl.load(w_pair + D * D + offs_dd), DT=DT)
     out = out_ptr + row_offset + tok[:, None] * (H * D) + offs_d[None, :]
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 

@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["LAYOUT_ARGS", "LaunchSettings", "Plan", "cuda_settings", "make_plan"]
+from t5core.contract import T5Layout
+
+__all__ = ["LAYOUT_ARGS", "LaunchSettings", "Plan", "cuda_settings", "error_sign", "make_plan"]
 
 # Runtime ints of the token layout: never specialised, so a new resolution or text length reuses
 # the compiled kernels.
@@ -131,6 +133,12 @@ class Plan:
         return torch.empty(self.splits, self.programs, *shape, device=device, dtype=torch.float32)
 
 
+def error_sign(variant: str) -> float:
+    """SIGN of the inner error e = SIGN * scale/N * e_u, with e_u = v (swiglu: e = -scale/N v) or
+    f(k) - v (mlp); the kernels accumulate e_u and the launchers apply SIGN * scale/N in fp32."""
+    return -1.0 if variant == "swiglu" else 1.0
+
+
 def cuda_settings(dtype: torch.dtype, phase: str) -> LaunchSettings:
     """The default CUDA launch settings for inputs of `dtype` in `phase` ("fwd" or "bwd")."""
     block_n = _REDUCE_BLOCK_N_FP32 if dtype == torch.float32 else _REDUCE_BLOCK_N[phase]
@@ -138,22 +146,15 @@ def cuda_settings(dtype: torch.dtype, phase: str) -> LaunchSettings:
     return LaunchSettings(block_n, _MAP_BLOCK_N, _REDUCE_WARPS, stages)
 
 
-def make_plan(
-    q: torch.Tensor,
-    *,
-    grid: tuple[int, int] | None,
-    text_tokens: int,
-    text_first: bool,
-    phase: str,
-    settings: LaunchSettings | None = None,
-) -> Plan:
-    """Plan a launch for `q` of shape (B, N, H, D); `phase` is "fwd" or "bwd".
+def make_plan(q: torch.Tensor, layout: T5Layout, *, phase: str, settings: LaunchSettings | None = None) -> Plan:
+    """Plan a launch for queries `q` of a checked call `layout`; `phase` is "fwd" or "bwd".
 
     `settings` replaces the defaults (`cuda_settings` on CUDA; small tiles and two splits per
     (sample, head) pair under the interpreter, where a CPU counts as one SM).
     """
-    batch, tokens, heads, head_dim = q.shape
-    grid_h, grid_w = grid if grid is not None else (1, tokens - text_tokens)
+    assert tuple(q.shape) == layout.shape, (tuple(q.shape), layout.shape)
+    batch, tokens, heads, head_dim = layout.shape
+    grid_h, grid_w = layout.grid if layout.grid is not None else (1, layout.n_image)
     if settings is None and q.is_cuda:
         settings = cuda_settings(q.dtype, phase)
     if settings is not None:
@@ -175,8 +176,8 @@ def make_plan(
         head_dim=head_dim,
         grid_h=grid_h,
         grid_w=grid_w,
-        text_tokens=text_tokens,
-        text_first=text_first,
+        text_tokens=layout.text_tokens,
+        text_first=layout.text_first,
         dot_dtype=_TL_DTYPES[q.dtype],
         block_n=block_n,
         splits=triton.cdiv(tiles, tiles_per_split),

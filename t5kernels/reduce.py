@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from t5kernels.launch import Plan
-from t5kernels.tiles import pair_offset, partial_ptr, tile_tokens
+from t5kernels.tiles import STAT_ROWS, pair_offset, partial_ptr, tile_tokens
 
 __all__ = ["combine", "key_stats_fwd"]
 
@@ -32,7 +32,7 @@ def key_stats_fwd_kernel(
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    _, row_offset = pair_offset(bh, n_tokens, H, D)
+    _, row_offset = pair_offset(bh, n_tokens, H=H, D=D)
     k_base = k_ptr + row_offset
     offs_d = tl.arange(0, D)
     # shifting by the first token keeps E[x^2] - E[x]^2 well conditioned when |mean| >> std
@@ -40,14 +40,14 @@ def key_stats_fwd_kernel(
     s1 = tl.zeros([D], dtype=tl.float32)
     s2 = tl.zeros([D], dtype=tl.float32)
     for i in range(tiles_per_split):
-        tok, valid = tile_tokens(split * tiles_per_split + i, n_tokens, BLOCK_N)
+        tok, valid = tile_tokens(split * tiles_per_split + i, n_tokens, BLOCK_N=BLOCK_N)
         x = tl.load(k_base + tok[:, None] * (H * D) + offs_d[None, :], mask=valid[:, None], other=0.0)
         x = tl.where(valid[:, None], x.to(tl.float32) - k0[None, :], 0.0)  # [BLOCK_N, D]
         s1 += tl.sum(x, axis=0)
         s2 += tl.sum(x * x, axis=0)
-    out = partial_ptr(part_ptr, split, bh, 2 * D)
-    tl.store(out + offs_d, s1)
-    tl.store(out + D + offs_d, s2)
+    out = partial_ptr(part_ptr, split, bh, SIZE=STAT_ROWS * D)
+    tl.store(out + offs_d, s1)  # row 0
+    tl.store(out + D + offs_d, s2)  # row 1
 
 
 @triton.jit
@@ -98,8 +98,8 @@ def combine(partials: torch.Tensor, coef: float = 1.0, base: torch.Tensor | None
 
 
 def key_stats_fwd(k: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """Per-(sample, head, channel) sums of (k - k_0) and (k - k_0)^2 over all tokens: `(B*H, 2, D)`."""
-    partials = plan.partials(2, plan.head_dim, device=k.device)
+    """Per-(sample, head, channel) sums of (k - k_0) and (k - k_0)^2 over all tokens: `(B*H, STAT_ROWS, D)`."""
+    partials = plan.partials(STAT_ROWS.value, plan.head_dim, device=k.device)
     key_stats_fwd_kernel[(plan.programs, plan.splits)](
         k,
         partials,

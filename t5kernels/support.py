@@ -1,5 +1,5 @@
-"""What the fused kernels can run, decided without launching anything (imports only torch, and
-triton when it is installed).
+"""What the fused kernels can run, decided without launching anything (imports only torch, the
+variants of `t5core.contract`, and triton when it is installed).
 
 `TRITON_INTERPRET=1` must be set before `t5kernels` is imported: Triton decides at decoration time
 whether a kernel is compiled for the GPU or run by its CPU interpreter. CPU tensors are accepted
@@ -12,8 +12,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from typing import NoReturn
 
 import torch
+
+from t5core.contract import VARIANTS
 
 __all__ = [
     "INTERPRETED",
@@ -30,7 +33,6 @@ __all__ = [
 TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 128
-_VARIANTS = ("swiglu", "mlp")
 # bf16 MMAs and 3xTF32 products need Ampere or newer.
 MIN_CAPABILITY = (8, 0)
 # Shared memory per block (KiB) the largest kernel needs at its default launch settings, by
@@ -120,8 +122,8 @@ def unsupported_reason(q: torch.Tensor, *, variant: str) -> str | None:
     """
     if not TRITON_AVAILABLE:
         return "triton is not installed (pip install triton)"
-    if variant not in _VARIANTS:
-        return f"variant {variant!r} is not one of {_VARIANTS}"
+    if variant not in VARIANTS:
+        return f"variant {variant!r} is not one of {VARIANTS}"
     if q.dim() != 4:
         return f"q must be (B, N, H, D); got shape {tuple(q.shape)}"
     if q.device.type != "cuda":
@@ -147,8 +149,9 @@ def unsupported_reason(q: torch.Tensor, *, variant: str) -> str | None:
     return None
 
 
-def t5_attention_unavailable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
-    """Stands in for `t5kernels.t5_attention` when triton is missing: always raises.
+def t5_attention_unavailable(*args: object, **kwargs: object) -> NoReturn:
+    """Stands in for `t5kernels.t5_attention` and `t5kernels.fused_attention` when triton is missing:
+    always raises.
 
     Raises:
         RuntimeError: naming the missing package and its install line.

@@ -5,6 +5,12 @@ for every contraction. Kernels call these and Triton inlines them.
 
 Legend: B batch, N tokens, H heads, D head dim, h x w latent grid, T text tokens. A tile is BLOCK_N
 consecutive tokens of one (sample, head) pair: `[BLOCK_N, D]`, fp32 in registers.
+
+Helpers take at most three positional arguments; the rest, and every `tl.constexpr`, go by
+keyword. The shared layout constants are `tl.constexpr` globals, read by kernels and launchers
+alike: `TAPS` per 3x3 conv kernel (taps `[TAPS, D]` per head) and `STAT_ROWS` of the key
+statistics (`[STAT_ROWS, D]` per pair: sum of k - k_0, sum of its square); host code reads their
+`.value`.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "STAT_ROWS",
+    "TAPS",
     "conv_tile",
     "image_position",
     "load_dd",
@@ -26,6 +34,11 @@ __all__ = [
     "store_partials",
     "tile_tokens",
 ]
+
+# 3x3 depthwise conv: tap = 3 * (dy + 1) + (dx + 1) for offsets dy, dx in {-1, 0, 1}
+TAPS: tl.constexpr = tl.constexpr(9)
+# key statistics per (sample, head) pair: row 0 sums k - k_0, row 1 sums (k - k_0)^2
+STAT_ROWS: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
@@ -79,7 +92,7 @@ def partial_ptr(part_ptr, split, bh, SIZE: tl.constexpr):
 @triton.jit
 def store_partials(part_ptr, split, bh, g1, g2, g3, offs_d, D: tl.constexpr, NW: tl.constexpr):
     # this program's [NW, D, D] fp32 partial of a (S, P, NW, D, D) buffer; g3 only when NW == 3
-    out = partial_ptr(part_ptr, split, bh, NW * D * D)
+    out = partial_ptr(part_ptr, split, bh, SIZE=NW * D * D)
     offs_dd = offs_d[:, None] * D + offs_d[None, :]
     tl.store(out + offs_dd, g1)
     tl.store(out + D * D + offs_dd, g2)
@@ -101,7 +114,7 @@ def image_position(tok, n_tokens, text_tokens, n_image, grid_w, TEXT_FIRST: tl.c
 
 @triton.jit
 def norm_stats(stats_ptr, k_base, n_tokens, eps, offs_d, D: tl.constexpr, HAS_NORM: tl.constexpr):
-    # stats_ptr: [2, D] sums of (k - k_0) and (k - k_0)^2 over all N tokens, k_0 the first token
+    # stats_ptr: this pair's [STAT_ROWS, D] sums over all N tokens, k_0 the first token
     if HAS_NORM:
         k0 = tl.load(k_base + offs_d).to(tl.float32)
         shifted_mean = tl.load(stats_ptr + offs_d) / n_tokens
@@ -157,15 +170,17 @@ def conv_tile(
     HAS_CONV: tl.constexpr,
     FLIP: tl.constexpr,
 ):
-    # x + DWC(x) on image rows, x on text rows: [BLOCK_N, D]. taps_ptr: [9, D] of this head,
-    # tap = 3 * (dy + 1) + (dx + 1). FLIP applies the transposed conv (taps mirrored, no bias), which
-    # is the conv's backward with respect to its input.
-    x = load_rows(base, stride_n, tok, offs_d, valid, mean, rstd, HAS_NORM)
+    # x + DWC(x) on image rows, x on text rows: [BLOCK_N, D]. taps_ptr: [TAPS, D] of this head.
+    # FLIP applies the transposed conv (taps mirrored, no bias), which is the conv's backward with
+    # respect to its input.
+    x = load_rows(base, stride_n, tok, offs_d=offs_d, valid=valid, mean=mean, rstd=rstd, HAS_NORM=HAS_NORM)
     if HAS_CONV:
         acc = tl.zeros_like(x)
-        for tap in tl.static_range(9):
-            tok_tap, ok = neighbour(tok, is_image, row, col, grid_h, grid_w, tap, FLIP)
-            x_tap = load_rows(base, stride_n, tok_tap, offs_d, ok, mean, rstd, HAS_NORM)
+        for tap in tl.static_range(TAPS):
+            tok_tap, ok = neighbour(
+                tok, is_image=is_image, row=row, col=col, grid_h=grid_h, grid_w=grid_w, tap=tap, FLIP=FLIP
+            )
+            x_tap = load_rows(base, stride_n, tok_tap, offs_d=offs_d, valid=ok, mean=mean, rstd=rstd, HAS_NORM=HAS_NORM)
             acc += x_tap * tl.load(taps_ptr + tap * D + offs_d)[None, :]
         if not FLIP:
             acc += tl.load(bias_ptr + offs_d)[None, :]

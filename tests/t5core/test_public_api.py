@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import t5core
-from t5core import attention, config, layers, weights
+from t5core import attention, config, contract, layers, ttt, weights
 
 
 def test_t5core_all_is_exact_and_re_exports_the_sources():
@@ -13,6 +13,29 @@ def test_t5core_all_is_exact_and_re_exports_the_sources():
     assert t5core.BaseArch is config.BaseArch and t5core.T5Config is config.T5Config
     assert t5core.resolve_layers is layers.resolve_layers
     assert t5core.T5WeightsError is weights.T5WeightsError and t5core.T5Weights is weights.T5Weights
+
+
+def test_the_call_contract_and_the_reference_list_their_public_names():
+    assert contract.__all__ == [
+        "FAST_WEIGHTS",
+        "VARIANTS",
+        "Conv",
+        "T5Layout",
+        "T5Params",
+        "Variant",
+        "check_call",
+        "check_variant",
+        "fast_weight_names",
+    ]
+    assert ttt.__all__ == [
+        "apply_locality",
+        "inner_apply",
+        "inner_loss",
+        "inner_step",
+        "key_instance_norm",
+        "reference_attention",
+        "t5_attention_ref",
+    ]
 
 
 def test_importing_t5core_loads_neither_comfy_triton_trainer_nor_diffusers():

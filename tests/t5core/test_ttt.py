@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from t5core.contract import FAST_WEIGHTS, VARIANTS
 from t5core.ttt import (
     apply_locality,
     inner_apply,
@@ -19,8 +20,7 @@ def make_inputs(b=2, h=3, w=5, text=4, heads=2, dim=8, dtype=torch.float32, seed
     g = torch.Generator().manual_seed(seed)
     n = h * w + text
     q, k, v = (torch.randn(b, n, heads, dim, generator=g, dtype=dtype) for _ in range(3))
-    n_weights = 3 if variant == "swiglu" else 2
-    weights = tuple(torch.randn(heads, dim, dim, generator=g, dtype=dtype) * 0.3 for _ in range(n_weights))
+    weights = tuple(torch.randn(heads, dim, dim, generator=g, dtype=dtype) * 0.3 for _ in range(FAST_WEIGHTS[variant]))
     convs = tuple(
         (
             torch.randn(heads * dim, 1, 3, 3, generator=g, dtype=dtype) * 0.3,
@@ -36,15 +36,15 @@ def make_inputs(b=2, h=3, w=5, text=4, heads=2, dim=8, dtype=torch.float32, seed
     )
 
 
-@pytest.mark.parametrize("variant", ["swiglu", "mlp"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_closed_form_gradients_equal_autograd_float64(variant):
     g = torch.Generator().manual_seed(0)
     b, heads, n, d = 2, 3, 11, 6
     k = torch.randn(b, heads, n, d, generator=g, dtype=torch.float64)
     v = torch.randn(b, heads, n, d, generator=g, dtype=torch.float64)
-    n_weights = 3 if variant == "swiglu" else 2
     weights = tuple(
-        torch.randn(b, heads, d, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(n_weights)
+        torch.randn(b, heads, d, d, generator=g, dtype=torch.float64, requires_grad=True)
+        for _ in range(FAST_WEIGHTS[variant])
     )
     grads = torch.autograd.grad(inner_loss(k, v, weights, variant), weights)
     updated = inner_step(k, v, weights, variant)
@@ -58,7 +58,7 @@ def test_key_instance_norm_is_per_sample_per_channel_instance_norm():
     torch.testing.assert_close(key_instance_norm(k, eps=1.0), expected.float(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["swiglu", "mlp"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("locality", [True, False], ids=["locality", "no-locality"])
 def test_adding_one_vector_to_every_key_leaves_the_output_unchanged(variant, locality):
     q, k, v, kw = make_inputs(variant=variant)
@@ -109,7 +109,7 @@ def test_locality_equals_a_direct_convolution_and_leaves_text_untouched(h, w, te
     torch.testing.assert_close(out[:, image_slice], expected.float(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["swiglu", "mlp"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_text_first_and_text_last_agree_up_to_the_permutation(variant):
     q, k, v, kw = make_inputs(variant=variant)
     text = kw["text_tokens"]
@@ -122,7 +122,7 @@ def test_text_first_and_text_last_agree_up_to_the_permutation(variant):
     torch.testing.assert_close(last, to_last(first), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["swiglu", "mlp"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_each_sample_is_independent_of_the_others(variant):
     q, k, v, kw = make_inputs(b=3, variant=variant)
     out = t5_attention_ref(q, k, v, **kw)
@@ -136,7 +136,7 @@ def test_each_sample_is_independent_of_the_others(variant):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 5e-2), (torch.float16, 1e-2)], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("variant", ["swiglu", "mlp"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_low_precision_inputs_give_finite_outputs_close_to_fp32(dtype, tol, variant):
     q, k, v, kw = make_inputs(variant=variant)
     ref = t5_attention_ref(q, k, v, **kw)

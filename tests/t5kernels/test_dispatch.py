@@ -34,15 +34,15 @@ def qkv() -> tuple[torch.Tensor, ...]:
 
 @pytest.fixture
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record calls of `t5kernels.t5_attention` (still running it) as T5Attention makes them."""
+    """Record calls of `t5kernels.fused_attention` (still running it) as T5Attention makes them."""
     calls: list[str] = []
-    real = t5kernels.t5_attention
+    real = t5kernels.fused_attention
 
     def spy(*args, **kwargs):
         calls.append("triton")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(t5kernels, "t5_attention", spy)
+    monkeypatch.setattr(t5kernels, "fused_attention", spy)
     monkeypatch.delenv("T5_BACKEND", raising=False)
     monkeypatch.setattr(backend, "_BUILD_FAILURES", {})
     backend._log_once.cache_clear()
@@ -58,7 +58,7 @@ def kernels_fail_to_build(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         calls.append("triton")
         raise t5kernels.KernelBuildError("the T5 Triton kernels could not be built or launched (OutOfResources)")
 
-    monkeypatch.setattr(t5kernels, "t5_attention", fail)
+    monkeypatch.setattr(t5kernels, "fused_attention", fail)
     monkeypatch.delenv("T5_BACKEND", raising=False)
     monkeypatch.setattr(backend, "_BUILD_FAILURES", {})
     backend._log_once.cache_clear()
@@ -254,12 +254,16 @@ def test_bad_input_raises_a_clear_error(overrides, k_dtype, error, match, device
         )
         for name, value in _call_kwargs(**overrides).items()
     }
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as kernels:
         t5kernels.t5_attention(q, k, q, **kwargs)
+    if k_dtype is None:  # one contract, one message: the torch path refuses the call in the same words
+        with pytest.raises(error) as reference:
+            t5_attention_ref(q, k, q, **kwargs)
+        assert str(reference.value) == str(kernels.value)
 
 
 def test_kernels_api_is_exact():
-    assert t5kernels.__all__ == ["KernelBuildError", "t5_attention", "unsupported_reason"]
+    assert t5kernels.__all__ == ["KernelBuildError", "fused_attention", "t5_attention", "unsupported_reason"]
     assert t5kernels.unsupported_reason is support.unsupported_reason
 
 
@@ -272,22 +276,23 @@ def test_kernels_import_cleanly_without_triton():
         "import sys; sys.modules['triton'] = None\n"
         "import torch, t5kernels\n"
         "print(t5kernels.unsupported_reason(torch.zeros(1, 4, 2, 16), variant='swiglu'))\n"
-        "try:\n"
-        "    t5kernels.t5_attention(*(torch.zeros(1, 4, 2, 16),) * 3, weights=())\n"
-        "except RuntimeError as error:\n"
-        "    print(error)\n"
+        "for entry in (t5kernels.t5_attention, t5kernels.fused_attention):\n"
+        "    try:\n"
+        "        entry(*(torch.zeros(1, 4, 2, 16),) * 3, weights=())\n"
+        "    except RuntimeError as error:\n"
+        "        print(error)\n"
     )
-    reason, error = _python(code).splitlines()
+    reason, *errors = _python(code).splitlines()
     assert reason.startswith("triton is not installed")
-    assert "need triton (pip install triton)" in error
+    assert len(errors) == 2 and all("need triton (pip install triton)" in error for error in errors)
 
 
-def test_kernels_import_only_torch_and_triton():
-    code = (
-        "import sys, t5kernels\n"
-        "print(sorted(m for m in ('t5core', 'comfy', 'diffusers', 'trainer', 'nodes') if m in sys.modules))"
-    )
-    assert _python(code) == "[]"
+def test_kernels_import_only_torch_triton_and_the_call_contract():
+    """`t5kernels` takes the call contract from `t5core.contract`, never a host, the trainer or a
+    ComfyUI module; `t5core` itself imports `t5kernels` only when a call dispatches."""
+    heavy = "('t5core.hosts', 'comfy', 'diffusers', 'trainer', 'nodes')"
+    code = f"import sys, t5kernels\nprint('t5core.contract' in sys.modules, sorted(set({heavy}) & set(sys.modules)))"
+    assert _python(code) == "True []"
 
 
 def test_a_foreign_kernels_package_does_not_shadow_ours(tmp_path):

@@ -9,6 +9,7 @@ import functools
 import pytest
 import torch
 
+from t5core.contract import check_call, fast_weight_names
 from t5core.ttt import t5_attention_ref
 from t5kernels import t5_attention
 from t5kernels.launch import LaunchSettings, make_plan
@@ -91,7 +92,10 @@ def test_explicit_launch_settings_match_reference(settings: LaunchSettings, spli
     """Other tiles and token splits (what `benchmarks/sweep_kernels.py` times) give the same math."""
     case = Case(2, 2, 16, (5, 7), 6, False, "swiglu", f32)
     leaves = make_leaves(case, device)
-    plan = make_plan(leaves["q"], grid=case.grid, text_tokens=6, text_first=False, phase="fwd", settings=settings)
+    weights = tuple(leaves[name] for name in fast_weight_names(case.variant))
+    qkv = (leaves["q"], leaves["k"], leaves["v"])
+    _, layout = check_call(*qkv, weights=weights, grid=case.grid, text_tokens=case.text, text_first=case.text_first)
+    plan = make_plan(leaves["q"], layout, phase="fwd", settings=settings)
     assert (plan.block_n, plan.map_block_n) == (settings.block_n, settings.map_block_n)
     if device.type == "cpu":  # the interpreter counts one SM; a GPU has its own count
         assert plan.splits == splits

@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import Tensor
 
+from t5core.contract import fast_weight_names
+
 logger = logging.getLogger(__name__)
 
 
@@ -73,9 +75,8 @@ def make_leaves(case: Case, device: torch.device, *, seed: int = 42) -> dict[str
 
     shape = (case.batch, case.tokens, case.heads, case.dim)
     leaves = {name: randn(*shape, dtype=case.dtype) for name in ("q", "k", "v")}
-    n_weights = 3 if case.variant == "swiglu" else 2
-    for index in range(1, n_weights + 1):
-        leaves[f"w{index}"] = randn(case.heads, case.dim, case.dim, std=0.2)
+    for name in fast_weight_names(case.variant):
+        leaves[name] = randn(case.heads, case.dim, case.dim, std=0.2)
     if case.locality:
         channels = case.heads * case.dim
         for name in ("q_conv", "k_conv"):
@@ -89,7 +90,7 @@ def run(fn: Callable[..., Tensor], case: Case, leaves: dict[str, Tensor]) -> dic
     """Call `fn` (the reference or the kernels) on fresh copies of the leaves and backpropagate
     `grad_out`; return the output and every gradient by name."""
     inputs = {name: t.clone().requires_grad_() for name, t in leaves.items() if name != "grad_out"}
-    weights = tuple(inputs[name] for name in ("w1", "w2", "w3") if name in inputs)
+    weights = tuple(inputs[name] for name in fast_weight_names(case.variant))
     conv = {
         name: (inputs[f"{name}.weight"], inputs[f"{name}.bias"]) if case.locality else None
         for name in ("q_conv", "k_conv")
