@@ -26,6 +26,7 @@ from torch import Tensor
 from t5core.atomic import write_atomic
 from t5core.attention import T5Attention
 from t5core.config import BaseArch, T5Config
+from t5core.contract import fast_weight_names
 from t5core.layers import LayerSpec, resolve_layers
 
 __all__ = [
@@ -84,7 +85,7 @@ class T5Weights:
 def expected_shapes(config: T5Config, arch: BaseArch) -> dict[str, tuple[int, ...]]:
     """Shape of every T5 parameter of one converted module for this config and architecture."""
     d, channels = arch.head_dim, arch.hidden
-    shapes = {f"w{i}": (arch.heads, d, d) for i in range(1, 4 if config.variant == "swiglu" else 3)}
+    shapes = {name: (arch.heads, d, d) for name in fast_weight_names(config.variant)}
     if config.locality:
         for conv in ("q_conv", "k_conv"):
             shapes[f"{conv}.weight"] = (channels, 1, 3, 3)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from t5core.contract import Variant
+
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
@@ -41,7 +43,7 @@ class ModelConfig:
     shipped SD3 Medium / SD3.5 Medium / SD3.5 Large config that matches the checkpoint."""
     layers: str = "paper"
     """Layer spec: `paper`, `all`, `joint:18-23,attn2:0-12` or module names like `blocks.3.attn`."""
-    variant: Literal["swiglu", "mlp"] = "swiglu"
+    variant: Variant = "swiglu"
     """Inner model of the TTT layer."""
     key_norm_eps: float | None = 1.0
     """Key instance-norm eps; `none` disables the key norm (an ablation)."""
