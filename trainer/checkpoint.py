@@ -160,6 +160,14 @@ class CheckpointManager:
         else:
             os.replace(temp, final)
 
+    def clear(self) -> None:
+        """Remove every checkpoint (`--checkpoint.resume force`: an earlier run's, before starting over)."""
+        removed = self.steps()
+        for step in removed:
+            shutil.rmtree(self.folder / f"step-{step}")
+        if removed:
+            logger.info("Checkpoint: removed the earlier run's checkpoints (steps %s) to start over", removed)
+
     def _prune(self) -> None:
         for old in self.steps()[: -self.keep]:
             shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)

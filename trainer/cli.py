@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Run with torchrun for several processes. Precedence: defaults < --config TOML < flags."
         ),
         argument_default=argparse.SUPPRESS,
+        # `--training.step 20` must not pass for `--training.steps 20`.
+        allow_abbrev=False,
     )
     parser.add_argument("--config", metavar="FILE.toml", help="TOML file with [section] tables of these settings.")
     defaults = TrainConfig()

@@ -262,13 +262,15 @@ class CheckpointConfig:
     keep: int = 2
     """Keep this many newest checkpoints."""
     resume: str = "auto"
-    """`auto` = continue from the newest complete checkpoint in `<output.dir>/checkpoints` if there is
-    one; `never` = refuse to start over an earlier run's checkpoints; or a checkpoint folder path."""
+    """`auto` = continue an unfinished run from the newest complete checkpoint in
+    `<output.dir>/checkpoints` (a finished run is left untouched, and a checkpoint past
+    `--training.steps` is refused); `never` = refuse to run over an earlier run's checkpoints;
+    `force` = train again from the start, replacing them; or a checkpoint folder path."""
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "checkpoint.every", "must not be negative.")
         _require(self.keep >= 1, "checkpoint.keep", "must be at least 1.")
-        _require(bool(self.resume), "checkpoint.resume", "give `auto`, `never` or a checkpoint folder.")
+        _require(bool(self.resume), "checkpoint.resume", "give `auto`, `never`, `force` or a checkpoint folder.")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -19,9 +19,23 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer.cli import parse_args
-from trainer.train import run
+from trainer.train import RunAlreadyFinished, RunResult, run
 
 logger = logging.getLogger("trainer.run")
+
+
+def _fail(message: object) -> int:
+    """One line on stderr, no traceback: the messages name the problem and the fix."""
+    print(f"trainer/run.py: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _summary(result: RunResult) -> str:
+    loss = result.last.get("loss/total")
+    why = "--training.steps reached" if result.stop_reason == "steps" else "--training.max_minutes spent"
+    loss_text = f", last loss {loss:.4f}" if loss is not None else ""
+    report = result.output_dir / "report.md"
+    return f"trained to step {result.step} ({why}){loss_text}; wrote {result.weights} and {report}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,15 +46,20 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    config = parse_args(argv)
+    try:
+        config = parse_args(argv)
+    except (FileNotFoundError, ValueError, TypeError) as error:
+        return _fail(error)
     try:
         result = run(config)
+    except RunAlreadyFinished as finished:
+        if rank == 0:
+            print(finished)
+        return 0
     except (FileNotFoundError, FileExistsError, PermissionError, ValueError, TypeError) as error:
-        logger.error("%s", error)
-        return 1
+        return _fail(error)
     if rank == 0:
-        loss = result.last.get("loss/total", float("nan"))
-        print(f"trained {result.step} steps ({result.stop_reason}), last loss {loss:.4f}; wrote {result.weights}")
+        print(_summary(result))
     return 0
 
 

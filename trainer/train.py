@@ -33,7 +33,7 @@ from trainer.model import ParamSplit, build_student, find_pipeline_folder, load_
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import apply_activation_checkpointing, apply_ddp, apply_fsdp, store_frozen_in
 
-__all__ = ["RunResult", "run"]
+__all__ = ["RunAlreadyFinished", "RunResult", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,18 +96,46 @@ def _prepare_output(folder: Path, world: World) -> None:
         )
 
 
+class RunAlreadyFinished(Exception):
+    """`--checkpoint.resume auto` found a finished run in the output folder and left it untouched."""
+
+
 def _resume_path(config: TrainConfig, checkpoints: CheckpointManager) -> Path | None:
-    mode = config.checkpoint.resume
-    if mode == "auto":
-        return checkpoints.latest()
+    """The checkpoint to continue from, None to start fresh, as `--checkpoint.resume` says.
+
+    Raises:
+        RunAlreadyFinished: `auto`, and the newest checkpoint is the last step (nothing to redo).
+        ValueError: `auto`, and the newest checkpoint is past `--training.steps`.
+        FileExistsError: `never`, and the folder holds an earlier run's checkpoints.
+    """
+    mode, steps, wanted = config.checkpoint.resume, checkpoints.steps(), config.training.steps
+    if mode == "force":
+        return None
     if mode == "never":
-        if checkpoints.steps():
+        if steps:
             raise FileExistsError(
-                f"{checkpoints.folder} holds checkpoints of an earlier run (steps {checkpoints.steps()}). "
-                "Pass --checkpoint.resume auto to continue it, or choose another --output.dir."
+                f"{checkpoints.folder} holds checkpoints of an earlier run (steps {steps}). Pass "
+                "--checkpoint.resume auto to continue it, force to train again from the start, or choose another "
+                "--output.dir."
             )
         return None
-    return Path(mode).expanduser()
+    if mode != "auto":
+        return Path(mode).expanduser()
+    if not steps:
+        return None
+    if steps[-1] == wanted:
+        raise RunAlreadyFinished(
+            f"{checkpoints.folder.parent} holds a finished run (step {wanted} of {wanted}); nothing was changed. "
+            "To train again from the start pass --checkpoint.resume force, to train longer raise --training.steps, "
+            "or choose another --output.dir."
+        )
+    if steps[-1] > wanted:
+        raise ValueError(
+            f"{checkpoints.folder} holds a checkpoint at step {steps[-1]}, past --training.steps {wanted}; nothing "
+            "was changed. Raise --training.steps to at least that, pass --checkpoint.resume force to train again from "
+            "the start, or choose another --output.dir."
+        )
+    return checkpoints.latest()
 
 
 def _flat(config: TrainConfig) -> dict[str, object]:
@@ -234,6 +262,8 @@ def _run(config: TrainConfig, world: World) -> RunResult:
             "processes; use a multiple of the process count."
         )
     if world.is_main:
+        if config.checkpoint.resume == "force":
+            checkpoints.clear()
         save_config(config, output / "config.toml")
 
     base = load_base(config.model)

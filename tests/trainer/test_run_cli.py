@@ -1,0 +1,100 @@
+"""`trainer/run.py` as a user meets it: a finished run is never silently redone or its report blanked,
+`--checkpoint.resume` says what happens to an earlier run, abbreviated flags are refused, and a bad
+setting is one line on stderr with no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from testing.trainer_assets import RECIPE_FLAGS, write_base, write_cache
+from trainer.metrics import read_metrics
+from trainer.run import main
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run_cli")
+    return dict(base=write_base(root / "base"), cache=write_cache(root / "cache", per_bucket=4))
+
+
+def _argv(inputs, out, *extra: str) -> list[str]:
+    return [
+        "--model.base", str(inputs["base"]),
+        "--data.source", "cache",
+        "--data.path", str(inputs["cache"]),
+        "--training.batch_size", "4",
+        "--training.steps", "2",
+        "--output.dir", str(out),
+        "--output.progress", "false",
+        *RECIPE_FLAGS,
+        *extra,
+    ]  # fmt: skip
+
+
+def _outputs(out) -> dict[str, bytes]:
+    return {str(path.relative_to(out)): path.read_bytes() for path in out.rglob("*") if path.is_file()}
+
+
+def test_a_finished_run_is_left_untouched_and_says_how_to_train_again(inputs, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(_argv(inputs, out)) == 0
+    first = capsys.readouterr().out
+    assert "trained to step 2 (--training.steps reached), last loss" in first and "report.md" in first
+    before = _outputs(out)
+
+    assert main(_argv(inputs, out)) == 0
+    again = capsys.readouterr().out
+    assert "holds a finished run (step 2 of 2); nothing was changed" in again
+    assert "--checkpoint.resume force" in again and "--training.steps" in again
+    assert _outputs(out) == before
+
+
+def test_a_checkpoint_past_the_requested_steps_is_refused(inputs, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(_argv(inputs, out)) == 0
+    before = _outputs(out)
+    capsys.readouterr()
+    assert main(_argv(inputs, out, "--training.steps", "1")) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("trainer/run.py: error: ") and error.count("\n") == 1
+    assert "checkpoint at step 2, past --training.steps 1; nothing was changed" in error
+    assert _outputs(out) == before
+
+
+def test_a_finished_run_can_be_trained_longer_or_again_from_the_start(inputs, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(_argv(inputs, out)) == 0
+    assert main(_argv(inputs, out, "--training.steps", "3")) == 0
+    assert "trained to step 3" in capsys.readouterr().out
+    assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+    assert sorted(path.name for path in (out / "checkpoints").iterdir()) == ["step-2", "step-3"]
+
+    assert main(_argv(inputs, out, "--training.steps", "2", "--checkpoint.resume", "force")) == 0
+    assert "trained to step 2" in capsys.readouterr().out
+    assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1, 2]
+    assert sorted(path.name for path in (out / "checkpoints").iterdir()) == ["step-2"]
+
+
+def test_abbreviated_flags_are_refused(inputs, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--training.step", "20", "--output.dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --training.step 20" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "toml, match",
+    [
+        pytest.param("[training]\nstep = 20\n", "[training] has unknown key(s) ['step']", id="unknown-key"),
+        pytest.param("[training]\nsteps = 'many'\n", "--training.steps: expected int, got str 'many'", id="bad-type"),
+        pytest.param("[trainin]\nsteps = 2\n", "[trainin] is not a section", id="unknown-section"),
+    ],
+)
+def test_a_bad_config_file_is_one_line_without_a_traceback(tmp_path, capsys, toml, match):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    assert main(["--config", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("trainer/run.py: error: ") and error.count("\n") == 1
+    assert match in error and "Traceback" not in error
