@@ -1,7 +1,7 @@
 """Ablations of T5 on the built-in toy: same fine-tune budget per row, several seeds, ToyEval and val loss.
 
-    python benchmarks/ablations.py                      # every row, seeds 0 1, 200 steps each
-    python benchmarks/ablations.py --rows t5 no-keynorm --seeds 0 --steps 50
+    python -m benchmarks.ablations                      # every row, seeds 0 1, 200 steps each
+    python -m benchmarks.ablations --rows t5 no-keynorm --seeds 0 --steps 50
 
 Each row starts from the shipped softmax teacher (`trainer/toy/weights`), converts it with
 `t5core.hosts.diffusers.linearize` (or keeps softmax, or swaps in plain linear attention), then
@@ -17,29 +17,25 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.timing import header_line, write_json  # noqa: E402
-from t5core.hosts.diffusers import linearize  # noqa: E402
-from trainer.toy.baselines import PlainLinearAttention, reinit_inherited  # noqa: E402
-from trainer.toy.data import make_batch  # noqa: E402
-from trainer.toy.eval import (  # noqa: E402
+from benchmarks.timing import header_line, write_json
+from t5core.hosts.diffusers import linearize
+from trainer.toy.baselines import PlainLinearAttention, reinit_inherited
+from trainer.toy.data import make_batch
+from trainer.toy.eval import (
     ATTRIBUTES,
     batch_loss,
     teacher_distance,
     toy_eval,
     validation_loss,
 )
-from trainer.toy.model import load_toy_base  # noqa: E402
+from trainer.toy.model import load_toy_base
 
 logger = logging.getLogger(__name__)
 

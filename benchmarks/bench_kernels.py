@@ -1,10 +1,10 @@
 """Fused Triton kernels vs the torch path vs softmax (SDPA) at SD3.5-Medium shapes, and the whole
 transformer step with the `paper` and `all` layer specs vs softmax.
 
-    python benchmarks/bench_kernels.py                      # CUDA: SD3.5-M shapes, 1K and 2K
-    python benchmarks/bench_kernels.py --backward           # also forward + backward (training)
-    python benchmarks/bench_kernels.py --model-step         # also the whole transformer step
-    python benchmarks/bench_kernels.py --peak-gbs 4800      # HBM peak when the GPU is not in the table
+    python -m benchmarks.bench_kernels                      # CUDA: SD3.5-M shapes, 1K and 2K
+    python -m benchmarks.bench_kernels --backward           # also forward + backward (training)
+    python -m benchmarks.bench_kernels --model-step         # also the whole transformer step
+    python -m benchmarks.bench_kernels --peak-gbs 4800      # HBM peak when the GPU is not in the table
 
 Attention rows: one T5 attention call (B=2 for CFG, 24 heads x 64, 333 text tokens + an h x w
 image grid) through the Triton kernels, the torch path (`t5core.ttt`) and SDPA on the same q, k, v.
@@ -25,43 +25,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import t5kernels  # noqa: E402
-from benchmarks.timing import RESULTS_DIR, SPEEDUP_VS_SOFTMAX, header_line, speedup, time_fn, write_json  # noqa: E402
-from t5core import T5Attention  # noqa: E402
-from t5core.ttt import t5_attention_ref  # noqa: E402
+import t5kernels
+from benchmarks.timing import RESULTS_DIR, SPEEDUP_VS_SOFTMAX, header_line, speedup, time_fn, write_json
+from t5core import T5Attention
+from t5core.ttt import t5_attention_ref
+from testing.models import sd35_medium_config
+from testing.tolerances import KERNEL_RATIO, relative_rms
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# Relative RMS error allowed against the fp32 reference (as in tests/t5kernels): MMA operands are
-# rounded to the input dtype.
-RATIO = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 # Through 24 blocks in bf16 the two backends' rounding differences compound; this only catches
 # garbage (a wrong kernel gives O(1)).
 MODEL_RATIO = 5e-2
 # HBM peak (GB/s, vendor specs) by device-name fragment; --peak-gbs overrides.
 PEAK_GBS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100": 3350.0, "A100-SXM4-80GB": 2039.0}
-SD35_MEDIUM = dict(
-    sample_size=128,
-    patch_size=2,
-    in_channels=16,
-    out_channels=16,
-    num_layers=24,
-    attention_head_dim=64,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    caption_projection_dim=1536,
-    pooled_projection_dim=2048,
-    pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)),
-    qk_norm="rms_norm",
-)
 
 
 def softmax_backend(device: str) -> contextlib.AbstractContextManager:
@@ -71,11 +52,6 @@ def softmax_backend(device: str) -> contextlib.AbstractContextManager:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
-
-
-def relative_rms(ref: torch.Tensor, out: torch.Tensor) -> float:
-    diff = (out.double() - ref.double()).norm()
-    return (diff / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def peak_gbs(args: argparse.Namespace) -> float | None:
@@ -153,8 +129,9 @@ def attention_row(side_h: int, side_w: int, args: argparse.Namespace) -> dict:
         ref = case.reference()
         with torch.no_grad():
             row["triton_rel_err"] = relative_rms(ref, case.call("triton", case.q, case.k, case.v).float())
-        if not row["triton_rel_err"] <= RATIO[case.dtype]:
-            row["status"] = f"FAIL: triton relative RMS error {row['triton_rel_err']:.1e} > {RATIO[case.dtype]:.0e}"
+        ratio = KERNEL_RATIO[case.dtype]
+        if not row["triton_rel_err"] <= ratio:
+            row["status"] = f"FAIL: triton relative RMS error {row['triton_rel_err']:.1e} > {ratio:.0e}"
             return row
         paths.append("triton")
     else:
@@ -175,9 +152,9 @@ def attention_row(side_h: int, side_w: int, args: argparse.Namespace) -> dict:
 def model_config(args: argparse.Namespace) -> dict:
     """SD3.5 Medium on CUDA; on CPU a 2-block cut of it (same head dim and text width)."""
     if args.device == "cuda":
-        return SD35_MEDIUM
+        return sd35_medium_config()
     reduced = dict(num_layers=2, num_attention_heads=2, caption_projection_dim=128, dual_attention_layers=(0,))
-    return {**SD35_MEDIUM, **reduced, "pos_embed_max_size": 96}
+    return {**sd35_medium_config(), **reduced, "pos_embed_max_size": 96}
 
 
 def model_rows(args: argparse.Namespace) -> list[dict]:

@@ -1,7 +1,7 @@
 """Toy sampling speed: the softmax teacher vs its T5 conversion, at two resolutions, as ratios.
 
-    python benchmarks/bench_toy_speed.py                       # 64 and 128 px, 4 Euler steps with CFG
-    python benchmarks/bench_toy_speed.py --sizes 64 256 --steps 8 --batch 4
+    python -m benchmarks.bench_toy_speed                       # 64 and 128 px, 4 Euler steps with CFG
+    python -m benchmarks.bench_toy_speed --sizes 64 256 --steps 8 --batch 4
 
 Both models are the shipped toy teacher; the T5 one is converted with the `paper` spec (fresh T5
 parameters: speed does not depend on their values) and the `auto` backend (Triton on CUDA, the
@@ -15,18 +15,14 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import sys
 from functools import partial
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, time_fn, write_json  # noqa: E402
-from t5core.hosts.diffusers import linearize  # noqa: E402
-from trainer.toy.data import LATENT_CHANNELS, all_captions  # noqa: E402
-from trainer.toy.model import ToyCond, load_toy_base, sample  # noqa: E402
+from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, time_fn, write_json
+from t5core.hosts.diffusers import linearize
+from trainer.toy.data import LATENT_CHANNELS, all_captions
+from trainer.toy.model import ToyCond, load_toy_base, sample
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """How much memory per GPU does the T5 fine-tune of SD3.5 Medium / Large need on 4 x 96 GB?
 
-    python benchmarks/bench_trainer_memory.py [--gpus 4] [--gpu-gib 96] [--resolution 1024] [--batch 4]
+    python -m benchmarks.bench_trainer_memory [--gpus 4] [--gpu-gib 96] [--resolution 1024] [--batch 4]
 
 Builds each model on the meta device from the shipped configs (no weights, no downloads), converts it
 with the `paper` layer spec, splits the parameters exactly as the trainer does, and prints the
@@ -16,18 +16,14 @@ import argparse
 import dataclasses
 import json
 import logging
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.timing import header_line, write_json  # noqa: E402
-from t5core.hosts.diffusers import linearize  # noqa: E402
-from trainer.config import ModelConfig, OptimConfig  # noqa: E402
-from trainer.memory import ParamCounts, RunShape, plan_memory  # noqa: E402
-from trainer.model import CONFIGS_DIR, split_parameters  # noqa: E402
+from benchmarks.timing import header_line, write_json
+from t5core.hosts.diffusers import linearize
+from trainer.config import ModelConfig, OptimConfig
+from trainer.memory import ParamCounts, RunShape, plan_memory
+from trainer.model import CONFIGS_DIR, split_parameters
 
 logger = logging.getLogger(__name__)
 

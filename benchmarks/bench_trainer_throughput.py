@@ -1,6 +1,6 @@
 """How fast does the trainer train the tiny SD3.5-Medium-like model on CPU, with 1 and 2 processes?
 
-    python benchmarks/bench_trainer_throughput.py [--steps 12] [--batch 8] [--json]
+    python -m benchmarks.bench_trainer_throughput [--steps 12] [--batch 8] [--json]
 
 Runs `trainer/run.py` (one process) and `torchrun --nproc_per_node=2 trainer/run.py` (DDP and FSDP2,
 gloo) on the same cached data, for T5 attention (every module converted) and for the unconverted
@@ -22,13 +22,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, write_json
+from testing.trainer_assets import write_base, write_cache
+from trainer.metrics import read_metrics
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, write_json  # noqa: E402
-from tests.trainer.helpers import write_base, write_cache  # noqa: E402
-from trainer.metrics import read_metrics  # noqa: E402
-
 RUN = str(REPO / "trainer" / "run.py")
 LOSS_RTOL = 1e-5
 """fp32 on CPU: one and two processes differ only in the order of gradient sums."""

@@ -1,6 +1,6 @@
 """T5 Linearize in a real ComfyUI server, as users run it: on CUDA that is ComfyUI 0.33's Dynamic VRAM.
 
-    python -m benchmarks.comfy_dynamic_vram                    # the tree tests/comfy_env.py finds
+    python -m benchmarks.comfy_dynamic_vram                    # the tree testing/comfy_env.py finds
     python -m benchmarks.comfy_dynamic_vram --comfyui PATH --results-dir DIR
 
 Starts `main.py` of the tree (on CUDA with its defaults, so 0.33 turns Dynamic VRAM on; `--cpu`
@@ -32,13 +32,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.timing import RESULTS_DIR, header_line, write_json
-from t5core.config import BaseArch
-from tests import comfy_env, comfy_tiny
-from tests.comfy_prompts import sampling_prompt
-from tests.comfy_server import TESTING_NODES, ComfyServer
-from tests.tiny_models import tiny_transformer
+from t5core.hosts.diffusers import arch_of
+from testing import comfy_env, comfy_tiny
+from testing.comfy_prompts import sampling_prompt
+from testing.comfy_server import ComfyServer
+from testing.models import tiny_transformer
 
-ARCH = BaseArch(depth=2, heads=2, head_dim=64, dual_attention_layers=(0,), qk_norm=True)
 CHECKPOINT, WEIGHTS, LORA = "tiny_sd35m.safetensors", "tiny_t5_base.safetensors", "tiny_lora.safetensors"
 QKV = "joint_blocks.1.x_block.attn.qkv.weight"
 NORM = "joint_blocks.1.x_block.attn.ln_q.weight"
@@ -46,7 +45,8 @@ NORM = "joint_blocks.1.x_block.attn.ln_q.weight"
 
 def write_assets(models: Path) -> None:
     """The checkpoint, a T5 file with `base.*` for QKV and NORM, and a rank-4 LoRA on QKV."""
-    checkpoint = comfy_tiny.write_checkpoint(models / "checkpoints" / CHECKPOINT, tiny_transformer(comfy_tiny.PRESET))
+    transformer = tiny_transformer(comfy_tiny.PRESET)
+    checkpoint = comfy_tiny.write_checkpoint(models / "checkpoints" / CHECKPOINT, transformer)
     state = load_file(str(checkpoint))
     generator = torch.Generator().manual_seed(9)
     base = {
@@ -54,7 +54,8 @@ def write_assets(models: Path) -> None:
         + 0.2 * torch.randn(state[f"model.diffusion_model.{key}"].shape, generator=generator)
         for key in (QKV, NORM)
     }
-    comfy_tiny.write_t5_weights(models / "t5_linearize" / WEIGHTS, ARCH, ARCH.attention_modules(), base=base)
+    arch = arch_of(transformer)
+    comfy_tiny.write_t5_weights(models / "t5_linearize" / WEIGHTS, arch, arch.attention_modules(), base=base)
     rows, columns = state[f"model.diffusion_model.{QKV}"].shape
     lora = {
         f"diffusion_model.{QKV.removesuffix('.weight')}.lora_up.weight": 0.3
@@ -126,7 +127,7 @@ def checks(latents: dict[str, torch.Tensor], log: str, cuda: bool) -> list[dict]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--comfyui", type=Path, default=None, help="ComfyUI tree (default: as tests/comfy_env.py finds it)"
+        "--comfyui", type=Path, default=None, help="ComfyUI tree (default: as testing/comfy_env.py finds it)"
     )
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         base_dir = Path(temp)
         write_assets(base_dir / "models")
         with ComfyServer.start(
-            tree, base_dir, custom_nodes=(TESTING_NODES,), args=("--cache-none",), cpu=not cuda
+            tree, base_dir, custom_nodes=(comfy_env.TESTING_NODES,), args=("--cache-none",), cpu=not cuda
         ) as server:
             latents, seconds = run_prompts(server)
             log = server.log()

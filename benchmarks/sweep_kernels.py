@@ -1,8 +1,8 @@
 """Sweep the Triton kernels' launch settings at one SD3.5-Medium shape, against the defaults.
 
-    python benchmarks/sweep_kernels.py                  # CUDA: 2K (128x128 + 333 text), bf16, B=2
-    python benchmarks/sweep_kernels.py --grid 64x64     # 1K
-    python benchmarks/sweep_kernels.py --budget-s 120   # two minutes, shared evenly by the sweeps
+    python -m benchmarks.sweep_kernels                  # CUDA: 2K (128x128 + 333 text), bf16, B=2
+    python -m benchmarks.sweep_kernels --grid 64x64     # 1K
+    python -m benchmarks.sweep_kernels --budget-s 120   # two minutes, shared evenly by the sweeps
 
 The defaults (`t5kernels.launch.cuda_settings`) come from compiler reports, not from timings; this
 script is the timing. Three sweeps, each one T5 attention call through `t5kernels.t5_attention`
@@ -26,19 +26,17 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.bench_kernels import DTYPES, RATIO, AttentionCase, relative_rms  # noqa: E402
-from benchmarks.timing import RESULTS_DIR, header_line, speedup, time_fn, write_json  # noqa: E402
-from t5kernels import t5_attention, unsupported_reason  # noqa: E402
-from t5kernels.launch import LaunchSettings, cuda_settings  # noqa: E402
+from benchmarks.bench_kernels import DTYPES, AttentionCase
+from benchmarks.timing import RESULTS_DIR, header_line, speedup, time_fn, write_json
+from t5kernels import t5_attention, unsupported_reason
+from t5kernels.launch import LaunchSettings, cuda_settings
+from testing.tolerances import KERNEL_RATIO, relative_rms
 
 SWEEPS = ("fwd", "map", "bwd")
 
@@ -82,8 +80,8 @@ def sweep_rows(sweep: str, case: AttentionCase, reference: torch.Tensor, args: a
         try:
             with torch.no_grad():
                 row["rel_err"] = relative_rms(reference, _forward(qkv, parameters, settings).float())
-            if not row["rel_err"] <= RATIO[dtype]:
-                row["status"] = f"FAIL: relative RMS error {row['rel_err']:.1e} > {RATIO[dtype]:.0e}"
+            if not row["rel_err"] <= KERNEL_RATIO[dtype]:
+                row["status"] = f"FAIL: relative RMS error {row['rel_err']:.1e} > {KERNEL_RATIO[dtype]:.0e}"
                 continue
             if sweep == "bwd":
                 leaves = tuple(x.detach().requires_grad_() for x in qkv)

@@ -5,6 +5,8 @@ interpreted vs compiled for every `@triton.jit` function, its own `triton.langua
 included, when that function is defined. Other code imports Triton too (torch, diffusers, ComfyUI),
 so this file imports it first, with `TRITON_INTERPRET=1`, and then restores the variable: the
 kernel tests set it again per test (tests/t5kernels/conftest.py), every other test keeps the torch path.
+
+The shared fixtures (ComfyUI and its tiny model) live in `testing.fixtures`, registered here for every test.
 """
 
 import os
@@ -24,6 +26,8 @@ if not torch.cuda.is_available():
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = _previous
+
+pytest_plugins = ["testing.fixtures"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

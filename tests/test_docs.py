@@ -30,11 +30,11 @@ DOC_FILES = (
     "benchmarks/README.md",
 )
 # Top-level entries of the repository: a backticked token starting with one of these is a path to check.
-REPO_ENTRIES = ("t5core", "t5kernels", "nodes", "trainer", "benchmarks", "tests", "workflows", "docs", ".ci")
+REPO_ENTRIES = ("t5core", "t5kernels", "nodes", "trainer", "benchmarks", "testing", "tests", "workflows", "docs", ".ci")
 REPO_FILES = ("README.md", "pyproject.toml", "__init__.py")
 PACKAGES = ("t5core", "t5kernels", "trainer", "benchmarks")
 SOURCE_GLOBS = ("t5core/**/*.py", "t5kernels/**/*.py", "nodes/**/*.py", "trainer/**/*.py", "benchmarks/**/*.py")
-SOURCE_GLOBS += ("benchmarks/*.sh", "tests/**/*.py", ".ci/run", "pyproject.toml")
+SOURCE_GLOBS += ("benchmarks/*.sh", "testing/*.py", "tests/**/*.py", ".ci/run", "pyproject.toml")
 
 FLAG = re.compile(r"--([a-z_]+)\.([a-z_]+)\b")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")

@@ -37,10 +37,10 @@ import pytest
 from selenium.webdriver.remote.webdriver import WebDriver
 
 from t5core.config import BaseArch
-from tests import comfy_env
+from testing import comfy_env
+from testing.comfy_server import ComfyServer
+from testing.comfy_tiny import write_t5_weights
 from tests.browser import frontend
-from tests.comfy_server import ComfyServer
-from tests.comfy_tiny import write_t5_weights
 
 WORKFLOWS = sorted((comfy_env.REPO_ROOT / "workflows").glob("*.json"))
 SCREENSHOTS = comfy_env.REPO_ROOT / "docs" / "screenshots"

@@ -1,23 +1,14 @@
 """The ComfyUI host beside what users combine it with: LoRA weight patches, attention overrides
 (Sage / Flash nodes), ModelSamplingSD3, skip-layer guidance, and CFG batched or split by the sampler.
 
-Runs when ComfyUI is found (tests/comfy_env.py), skips with the reason otherwise.
+Runs when ComfyUI is found (testing/comfy_env.py), skips with the reason otherwise.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tests import comfy_env, comfy_tiny
-
-comfy, transformer, checkpoint, model, arch, weights_all = (  # pytest fixtures
-    comfy_env.comfy,
-    comfy_tiny.transformer,
-    comfy_tiny.checkpoint,
-    comfy_tiny.model,
-    comfy_tiny.arch,
-    comfy_tiny.weights_all,
-)
+from testing import comfy_tiny
 
 
 def test_lora_weight_patches_compose_with_t5(model, weights_all, checkpoint):

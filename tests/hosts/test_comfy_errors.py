@@ -1,7 +1,7 @@
 """The ComfyUI host's errors: each bad input names the problem and the fix, and leaves the incoming
 model exactly as it was.
 
-Runs when ComfyUI is found (tests/comfy_env.py), skips with the reason otherwise.
+Runs when ComfyUI is found (testing/comfy_env.py), skips with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -10,16 +10,7 @@ import pytest
 import torch
 
 from t5core.weights import T5WeightsError
-from tests import comfy_env, comfy_tiny
-
-comfy, transformer, checkpoint, model, arch, weights_all = (  # pytest fixtures
-    comfy_env.comfy,
-    comfy_tiny.transformer,
-    comfy_tiny.checkpoint,
-    comfy_tiny.model,
-    comfy_tiny.arch,
-    comfy_tiny.weights_all,
-)
+from testing import comfy_tiny
 
 
 def _tiny_flux(comfy):

@@ -1,7 +1,7 @@
 """The ComfyUI host (`t5core.hosts.comfy`) on a tiny SD3.5-Medium-like checkpoint, in real ComfyUI:
 exactness against stock ComfyUI and the diffusers host, undo, batching, resolutions, dtypes.
 
-Runs when ComfyUI is found (tests/comfy_env.py), skips with the reason otherwise.
+Runs when ComfyUI is found (testing/comfy_env.py), skips with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -11,20 +11,12 @@ import copy
 import pytest
 import torch
 
-from tests import comfy_env, comfy_tiny
+from testing import comfy_tiny
+from testing.models import tiny_config
 
 # The diffusers and ComfyUI models compute the same fp32 math in a different order (fused vs split
 # qkv, text first vs last, different attention kernels); measured gaps are ~1e-6.
 PARITY_ATOL = 1e-4
-
-comfy, transformer, checkpoint, model, arch, weights_all = (  # pytest fixtures
-    comfy_env.comfy,
-    comfy_tiny.transformer,
-    comfy_tiny.checkpoint,
-    comfy_tiny.model,
-    comfy_tiny.arch,
-    comfy_tiny.weights_all,
-)
 
 
 def test_arch_of_reads_the_comfy_model(arch):
@@ -236,8 +228,6 @@ def large_canvas_model(comfy):
     """The tiny preset with a 128 x 128 position-embedding canvas, so 2048 x 2048 images fit."""
     from comfy.sd import load_diffusion_model
     from diffusers import SD3Transformer2DModel
-
-    from tests.tiny_models import tiny_config
 
     torch.manual_seed(0)
     transformer = SD3Transformer2DModel(**{**tiny_config("comfy_sd35_medium_like"), "pos_embed_max_size": 128}).eval()

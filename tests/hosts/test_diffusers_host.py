@@ -11,7 +11,7 @@ from t5core import weights as t5w
 from t5core.convert import base_tensors
 from t5core.hosts.diffusers import T5AttnProcessor, arch_of, converted_layers, linearize
 from t5core.sd3_keys import diffusers_to_sd3
-from tests.tiny_models import tiny_inputs, tiny_transformer
+from testing.models import tiny_inputs, tiny_transformer
 
 
 @pytest.fixture(autouse=True)

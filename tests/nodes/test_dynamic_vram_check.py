@@ -2,7 +2,7 @@
 in a real ComfyUI server, so the first GPU run finds it working: every check that applies on CPU
 passes (Dynamic VRAM itself needs CUDA and is recorded as not applying).
 
-Runs when ComfyUI is found (tests/comfy_env.py), skips with the reason otherwise.
+Runs when ComfyUI is found (testing/comfy_env.py), skips with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import pytest
 
 from benchmarks import comfy_dynamic_vram
-from tests import comfy_env
+from testing import comfy_env
 
 pytestmark = pytest.mark.comfyui  # a real server of the tree under test: runs on the floor tree too
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.comfyui  # a real server of the tree under test: runs o
 def test_the_dynamic_vram_check_passes_on_cpu(tmp_path):
     tree = comfy_env.locate()
     if tree is None:
-        pytest.skip("ComfyUI not found: set COMFYUI_PATH (see tests/comfy_env.py).")
+        pytest.skip("ComfyUI not found: set COMFYUI_PATH (see testing/comfy_env.py).")
     assert comfy_dynamic_vram.main(["--comfyui", str(tree), "--results-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "comfy_dynamic_vram_cpu.json").read_text())
     results = {row["check"]: (row["ok"], row["applies"]) for row in report["rows"]}

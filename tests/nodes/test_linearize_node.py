@@ -1,7 +1,7 @@
 """The "T5 Linearize" node as ComfyUI sees it: registration, schema, models folder, validation and a
 whole prompt through ComfyUI's executor on a tiny SD3.5-format checkpoint written here.
 
-Runs when ComfyUI is found (tests/comfy_env.py), skips with the reason otherwise.
+Runs when ComfyUI is found (testing/comfy_env.py), skips with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from t5core.config import BaseArch
-from tests import comfy_env, comfy_tiny
-from tests.comfy_prompts import sampling_prompt
-from tests.tiny_models import tiny_transformer
+from testing import comfy_env, comfy_tiny
+from testing.comfy_prompts import sampling_prompt
+from testing.models import tiny_transformer
 
 ARCH = BaseArch(depth=2, heads=2, head_dim=64, dual_attention_layers=(0,), qk_norm=True)
 

@@ -2,7 +2,7 @@
 pack, or the frontend's own Note / Reroute nodes), its links agree with the nodes on both ends and
 with the node schemas, and its widget values are accepted by the schemas.
 
-Runs when ComfyUI is found (tests/comfy_env.py), skips with the reason otherwise.
+Runs when ComfyUI is found (testing/comfy_env.py), skips with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import comfy_env
+from testing import comfy_env
 
 WORKFLOWS = sorted((comfy_env.REPO_ROOT / "workflows").glob("*.json"))
 FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}

@@ -2,10 +2,11 @@
 
 import pytest
 
-from t5core import BaseArch, resolve_layers
+from t5core import resolve_layers
+from testing.models import shipped_arch
 
-SD35_MEDIUM = BaseArch(depth=24, heads=24, head_dim=64, dual_attention_layers=tuple(range(13)))
-SD35_LARGE = BaseArch(depth=38, heads=38, head_dim=64)
+SD35_MEDIUM = shipped_arch("sd3.5_medium")
+SD35_LARGE = shipped_arch("sd3.5_large")
 
 
 def test_paper_spec_on_sd35_medium_is_every_attn2_and_the_last_five_joint_blocks():

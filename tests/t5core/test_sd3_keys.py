@@ -6,7 +6,7 @@ from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoi
 
 from t5core.hosts.diffusers import arch_of
 from t5core.sd3_keys import diffusers_to_sd3, sd3_to_diffusers
-from tests.tiny_models import tiny_transformer
+from testing.models import tiny_transformer
 
 PRESETS = ["sd35_medium_like", "sd35_large_like", "sd3_like"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.trainer.helpers import write_cache
+from testing.trainer_assets import write_cache
 from trainer.cache import CacheSource
 from trainer.data import BatchPlan
 from trainer.prepare import bucket_sizes, nearest_bucket

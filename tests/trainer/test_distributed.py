@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.helpers import RECIPE_FLAGS, write_base, write_cache
+from testing.trainer_assets import RECIPE_FLAGS, write_base, write_cache
 from trainer.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]

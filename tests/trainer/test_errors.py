@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from tests.trainer.helpers import write_base, write_cache
+from testing.trainer_assets import write_base, write_cache
 from trainer.checkpoint import CheckpointManager
 from trainer.cli import parse_args
 from trainer.config import ParallelConfig

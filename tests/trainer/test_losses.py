@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.trainer.helpers import tiny_transformer
+from testing.trainer_assets import trainer_transformer
 from trainer.config import LossConfig
 from trainer.losses import AttentionCapture, add_noise, combine, flow_weights, sample_sigmas
 
@@ -57,7 +57,7 @@ def test_distill_without_teacher_is_an_error():
 
 
 def test_capture_ignores_the_checkpoint_recompute():
-    model = tiny_transformer()
+    model = trainer_transformer()
     model.enable_gradient_checkpointing()
     model.train()
     capture = AttentionCapture(model, ["transformer_blocks.0.attn", "transformer_blocks.0.attn2"])

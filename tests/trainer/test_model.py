@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from t5core.hosts.diffusers import arch_of
 from t5core.sd3_keys import diffusers_to_sd3
-from tests.trainer.helpers import tiny_transformer, write_base
+from testing.trainer_assets import trainer_transformer, write_base
 from trainer.config import ModelConfig
 from trainer.model import CONFIGS_DIR, _shipped_config, load_base
 
@@ -21,7 +21,7 @@ PREFIX = "model.diffusion_model."
 def single_file(tmp_path_factory):
     """The tiny transformer as a ComfyUI-style single file (SD3 naming, diffusion-model prefix)."""
     root = tmp_path_factory.mktemp("single")
-    model = tiny_transformer()
+    model = trainer_transformer()
     state = diffusers_to_sd3(model.state_dict(), arch_of(model))
     path = root / "tiny_sd35.safetensors"
     save_file({PREFIX + key: value.contiguous() for key, value in state.items()}, str(path))

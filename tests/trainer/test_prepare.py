@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.trainer.helpers import tiny_transformer, write_images, write_pipeline
+from testing.trainer_assets import trainer_transformer, write_images, write_pipeline
 from trainer.cache import CacheSource
 from trainer.cli import parse_args
 from trainer.config import DataConfig, ParallelConfig
@@ -53,7 +53,7 @@ def data_config(**changes) -> DataConfig:
 
 def test_image_folder_is_encoded_skipping_bad_files(pipeline, image_folder, tmp_path, world):
     cache = prepare_images(
-        image_folder, tmp_path / "cache", pipeline=pipeline, transformer=tiny_transformer(),
+        image_folder, tmp_path / "cache", pipeline=pipeline, transformer=trainer_transformer(),
         data=data_config(), resolution=32, world=world,
     )  # fmt: skip
     manifest = json.loads((cache / "manifest.json").read_text())
@@ -77,7 +77,7 @@ def test_image_folder_is_encoded_skipping_bad_files(pipeline, image_folder, tmp_
 
 
 def test_image_preparation_resumes_shard_by_shard(pipeline, image_folder, tmp_path, world):
-    kwargs = dict(pipeline=pipeline, transformer=tiny_transformer(), data=data_config(), resolution=32, world=world)
+    kwargs = dict(pipeline=pipeline, transformer=trainer_transformer(), data=data_config(), resolution=32, world=world)
     cache = prepare_images(image_folder, tmp_path / "cache", **kwargs)
     shards = sorted(cache.glob("shard-*.safetensors"))
     manifest = (cache / "manifest.json").read_text()
@@ -97,7 +97,7 @@ def test_every_image_unusable_is_an_error(pipeline, tmp_path, world):
     (folder / "a.txt").write_text("caption")
     with pytest.raises(ValueError, match=r"none of the 1 images could be used \(a.png: unreadable image"):
         prepare_images(
-            folder, tmp_path / "cache", pipeline=pipeline, transformer=tiny_transformer(),
+            folder, tmp_path / "cache", pipeline=pipeline, transformer=trainer_transformer(),
             data=data_config(), resolution=32, world=world,
         )  # fmt: skip
 
@@ -106,7 +106,7 @@ def test_prompts_file_generates_latents_with_the_softmax_model(pipeline, tmp_pat
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle\n# a comment\n\na blue square\na green triangle\n")
     data = data_config(source="prompts", generate_steps=2, guidance_scale=2.0)
-    kwargs = dict(pipeline=pipeline, transformer=tiny_transformer(), data=data, resolution=32, world=world)
+    kwargs = dict(pipeline=pipeline, transformer=trainer_transformer(), data=data, resolution=32, world=world)
     first = CacheSource(prepare_prompts(prompts, tmp_path / "one", **kwargs))
     # Prompt i goes to bucket i mod 3: 1:1, 4:3, 3:4.
     assert {hw: len(ids) for hw, ids in first.buckets().items()} == {(16, 16): 1, (14, 18): 1, (18, 14): 1}

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.tiny_models import tiny_transformer
+from testing.models import tiny_transformer
 from trainer.toy.baselines import PlainLinearAttention, reinit_inherited
 
 

@@ -1,17 +1,14 @@
 """The shipped toy teacher loads in ComfyUI as an SD3 diffusion model and computes what diffusers does.
 
-Runs when ComfyUI is found (tests/comfy_env.py), skips with the reason otherwise.
+Runs when ComfyUI is found (testing/comfy_env.py), skips with the reason otherwise.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tests import comfy_env
 from trainer.toy.data import embed_captions
 from trainer.toy.model import TOY_CONFIG, WEIGHTS_FILE, load_toy_base
-
-comfy = comfy_env.comfy  # pytest fixture
 
 
 def test_comfyui_loads_the_toy_as_sd3_and_matches_diffusers(comfy):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from t5core.hosts.diffusers import linearize
-from tests.trainer.helpers import RECIPE_FLAGS, write_base, write_cache
+from testing.trainer_assets import RECIPE_FLAGS, write_base, write_cache
 from trainer.cli import parse_args
 from trainer.distributed import seed_everything
 from trainer.losses import add_noise

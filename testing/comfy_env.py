@@ -1,4 +1,4 @@
-"""ComfyUI for the tests that need it (DESIGN.md section 6), and the tiny assets they run on.
+"""ComfyUI in this process for the tests and benchmarks that need it (DESIGN.md section 6).
 
 ComfyUI is not a PyPI package. It is looked up in this order: `COMFYUI_PATH`, an enclosing ComfyUI
 (this repository inside `custom_nodes/`), `~/comfy/ComfyUI` (comfy-cli's default workspace), then
@@ -30,7 +30,8 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TESTING_NODES = Path(__file__).resolve().parent / "nodes" / "comfy_testing_nodes.py"
+TESTING_NODES = Path(__file__).resolve().parent / "comfy_testing_nodes.py"
+"""A test-only node pack (`T5TestConditioning`), loaded beside this one."""
 DEFAULT_TREE = Path.home() / "comfy" / "ComfyUI"
 SHARED_TREE = REPO_ROOT.parent / "shared" / "comfyui" / "0.33.0"
 
@@ -96,10 +97,7 @@ def _load_pack(nodes: ModuleType, path: Path) -> None:
         pytest.fail(f"ComfyUI refused to load the custom node pack {path}: {details}", pytrace=False)
 
 
-def _import_comfy(root: Path, base_dir: Path, cpu: bool) -> ModuleType:
-    """Import ComfyUI from `root` as `main.py` would. Its `nodes.py` must win over this repository's
-    `nodes/` package, and its `utils/` package over `comfy/utils.py` (nodes.py puts `comfy/` first on
-    sys.path), so ComfyUI is first on sys.path while its modules are imported, then moves to the end."""
+def _check_nodes_not_shadowed(root: Path) -> None:
     loaded = sys.modules.get("nodes")
     if loaded is not None and not str(getattr(loaded, "__file__", "")).startswith(str(root)):
         pytest.fail(
@@ -107,11 +105,35 @@ def _import_comfy(root: Path, base_dir: Path, cpu: bool) -> ModuleType:
             "Do not import this repository's `nodes` package as a top-level module in tests.",
             pytrace=False,
         )
+
+
+def import_comfy(root: Path, base_dir: Path, *, cpu: bool, sdpa: bool = False) -> ModuleType:
+    """Import ComfyUI from `root` as `main.py` would, serving `base_dir`, with its core extra nodes.
+
+    Its `nodes.py` must win over this repository's `nodes/` package, and its `utils/` package over
+    `comfy/utils.py` (nodes.py puts `comfy/` first on sys.path), so ComfyUI is first on sys.path while
+    its modules are imported, then moves to the end.
+
+    Args:
+        root (`Path`):
+            The ComfyUI tree.
+        base_dir (`Path`):
+            ComfyUI's base directory (its `models/`, `output/`).
+        cpu (`bool`):
+            Run on the CPU (ComfyUI's `--cpu`).
+        sdpa (`bool`):
+            Force PyTorch SDPA for softmax attention (`--use-pytorch-cross-attention`). Default: `False`.
+
+    Returns:
+        ComfyUI's `nodes` module.
+    """
     sys.path.insert(0, str(root))
     try:
         from comfy.cli_args import args
 
         args.cpu = cpu
+        if sdpa:
+            args.use_pytorch_cross_attention = True
         args.base_directory = str(base_dir)
         args.disable_auto_launch = True
         for name in ("folder_paths", "utils.install_util", "comfy.model_management", "nodes", "execution", "server"):
@@ -128,7 +150,8 @@ _ENV: ComfyEnv | None = None
 
 
 def comfy_env(base_dir: Path) -> ComfyEnv:
-    """Import ComfyUI once per session (skips or fails as the module docstring says)."""
+    """Import ComfyUI once per session with this pack and the testing nodes (skips or fails as the module
+    docstring says); the `comfy` fixture of `testing.fixtures`."""
     global _ENV
     if _ENV is not None:
         return _ENV
@@ -138,9 +161,9 @@ def comfy_env(base_dir: Path) -> ComfyEnv:
             f"ComfyUI not found: set COMFYUI_PATH, put this repository in ComfyUI/custom_nodes/, or install "
             f"ComfyUI at {DEFAULT_TREE} (comfy-cli's default workspace) or {SHARED_TREE}."
         )
-    cpu = not torch.cuda.is_available()
+    _check_nodes_not_shadowed(root)
     try:
-        nodes = _import_comfy(root, base_dir, cpu)
+        nodes = import_comfy(root, base_dir, cpu=not torch.cuda.is_available())
     except Exception as error:  # any import-time error of the tree is the failure being reported
         pytest.fail(
             f"ComfyUI at {root} cannot be imported: {error!r}. Install its requirements "
@@ -153,12 +176,6 @@ def comfy_env(base_dir: Path) -> ComfyEnv:
 
     _ENV = ComfyEnv(root, base_dir, comfy.model_management.get_torch_device(), nodes)
     return _ENV
-
-
-@pytest.fixture(scope="session")
-def comfy(tmp_path_factory: pytest.TempPathFactory) -> ComfyEnv:
-    """The session's ComfyUI (import it into a test module or conftest to use it)."""
-    return comfy_env(tmp_path_factory.mktemp("comfyui"))
 
 
 class _Server:

@@ -1,4 +1,4 @@
-"""A test-only ComfyUI node pack, loaded by tests/comfy_env.py like any custom node.
+"""A test-only ComfyUI node pack, loaded by testing/comfy_env.py and testing/comfy_server.py like any custom node.
 
 CONDITIONING normally comes from CLIP-L, CLIP-G and T5-XXL text encoders (billions of parameters);
 ComfyUI has no core node that makes it from nothing. `T5TestConditioning` makes seeded random text

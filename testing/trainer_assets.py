@@ -1,5 +1,5 @@
-"""Tiny, offline inputs for the trainer tests: an SD3.5-Medium-like transformer folder, a data cache,
-a full SD3 pipeline folder (tiny VAE, two tiny CLIP text encoders, no T5) and image folders.
+"""Tiny, offline inputs for the trainer tests and benchmarks: an SD3.5-Medium-like transformer folder,
+a data cache, a full SD3 pipeline folder (tiny VAE, two tiny CLIP text encoders, no T5) and image folders.
 
 Everything is built from seeded random weights on the spot; nothing is downloaded.
 """
@@ -12,25 +12,12 @@ from pathlib import Path
 
 import torch
 
+from testing.models import tiny_transformer
 from trainer.cache import UNCOND, shard_name, write_manifest, write_tensors
 from trainer.data import Batch
 
-TINY_SD35 = dict(
-    sample_size=32,
-    patch_size=2,
-    in_channels=16,
-    out_channels=16,
-    num_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=32,
-    caption_projection_dim=32,
-    pooled_projection_dim=64,
-    pos_embed_max_size=32,
-    dual_attention_layers=(0,),
-    qk_norm="rms_norm",
-)
-"""The trainer's tiny SD3.5-Medium-like config: patch 2, 16 channels, attn2 on block 0, q/k RMSNorm,
+TRAINER_PRESET = "trainer_sd35_medium_like"
+"""The trainer's tiny SD3.5-Medium-like preset: patch 2, 16 channels, attn2 on block 0, q/k RMSNorm,
 a last `context_pre_only` block."""
 TEXT_TOKENS = 7
 RECIPE_FLAGS: tuple[str, ...] = (
@@ -45,22 +32,14 @@ RECIPE_FLAGS: tuple[str, ...] = (
 per process), pinned so the toy preset's defaults (warm-up, caption dropout, 2 threads) can change freely."""
 
 
-def tiny_transformer(seed: int = 0):
-    """The tiny transformer with every weight random (diffusers zero-inits some outputs)."""
-    from diffusers import SD3Transformer2DModel
-
-    torch.manual_seed(seed)
-    model = SD3Transformer2DModel(**TINY_SD35)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.abs().sum() == 0:
-                param.normal_(0, 0.02)
-    return model.eval()
+def trainer_transformer(seed: int = 0) -> torch.nn.Module:
+    """The trainer's tiny transformer with every weight random (diffusers zero-inits some outputs)."""
+    return tiny_transformer(TRAINER_PRESET, seed, all_random=True)
 
 
 def write_base(folder: Path, seed: int = 0) -> Path:
     """Save the tiny transformer as a diffusers transformer folder."""
-    tiny_transformer(seed).save_pretrained(folder)
+    trainer_transformer(seed).save_pretrained(folder)
     return folder
 
 
@@ -146,7 +125,7 @@ def write_pipeline(folder: Path, seed: int = 0) -> Path:
         scaling_factor=1.5305,
     ).eval()
     pipe = StableDiffusion3Pipeline(
-        transformer=tiny_transformer(seed),
+        transformer=trainer_transformer(seed),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         vae=vae,
         text_encoder=_clip_encoder(seed + 1, len(tokenizer)),

@@ -2,7 +2,7 @@
 check): `main.py` of a ComfyUI tree on loopback, from a throw-away base directory whose
 `custom_nodes/` holds this pack (and, on request, the testing nodes), its log kept in a file.
 
-    with ComfyServer.start(tree, base_dir, custom_nodes=[TESTING_NODES]) as server:
+    with ComfyServer.start(tree, base_dir, custom_nodes=(comfy_env.TESTING_NODES,)) as server:
         prompt_id = server.queue(prompt)
         history = server.wait(prompt_id)
 """
@@ -20,8 +20,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TESTING_NODES = Path(__file__).resolve().parent / "nodes" / "comfy_testing_nodes.py"
+from testing.comfy_env import REPO_ROOT
+
 PACK_NAME = "comfyui-t5-linearize"
 
 

@@ -1,8 +1,9 @@
-"""A tiny SD3.5-Medium-like model in ComfyUI for the ComfyUI tests: checkpoint and T5 weights
-files written here, session fixtures, seeded inputs and one model evaluation the way samplers make it.
+"""A tiny SD3.5-Medium-like model in ComfyUI for the ComfyUI tests and checks: checkpoint and T5
+weights file writers, seeded inputs and one model evaluation the way samplers make it (the session
+fixtures built from them are in `testing.fixtures`).
 
 ComfyUI's MMDiT fixes head_dim = 64 and heads = depth, so the model is the `comfy_sd35_medium_like`
-preset of tests/tiny_models.py (2 blocks, 2 heads x 64, MMDiT-X `attn2` on block 0).
+preset of `testing.models` (2 blocks, 2 heads x 64, MMDiT-X `attn2` on block 0).
 """
 
 from __future__ import annotations
@@ -10,14 +11,12 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from t5core import T5Attention, T5Config
 from t5core.config import BaseArch
 from t5core.weights import save as save_t5_weights
-from tests.tiny_models import tiny_transformer
 
 PRESET = "comfy_sd35_medium_like"
 
@@ -39,18 +38,41 @@ def write_t5_weights(
     layers: tuple[str, ...],
     *,
     seed: int = 0,
-    fast_weight_std: float = 0.3,
+    fast_weight_std: float | None = 0.3,
     base: dict[str, torch.Tensor] | None = None,
+    made_by: str = "tests",
 ) -> Path:
-    """A T5 weights file with seeded random modules for `layers` (std raised so T5 visibly matters)."""
+    """A T5 weights file with seeded random swiglu modules for `layers`.
+
+    Args:
+        path (`Path`):
+            The file to write.
+        arch (`BaseArch`):
+            The base model the file is for.
+        layers (`tuple[str, ...]`):
+            The resolved layer names (`blocks.{i}.attn`, `blocks.{i}.attn2`).
+        seed (`int`):
+            Seed of the modules. Default: `0`.
+        fast_weight_std (`float`, *optional*):
+            Redraw the fast weights with this std, raised from the init so T5 visibly matters; `None`
+            keeps `T5Attention`'s own init. Default: `0.3`.
+        base (`dict[str, Tensor]`, *optional*):
+            `base.*` tensors (fine-tuned inherited weights, SD3 key names). Default: none.
+        made_by (`str`):
+            The file's provenance. Default: `"tests"`.
+
+    Returns:
+        `path`.
+    """
     torch.manual_seed(seed)
     config = T5Config("swiglu", 1.0, True, layers)
     modules = {name: T5Attention.from_config(config, arch.heads, arch.head_dim) for name in layers}
-    with torch.no_grad():
-        for module in modules.values():
-            for weight in module.fast_weights():
-                weight.normal_(0.0, fast_weight_std)
-    return save_t5_weights(path, modules, arch=arch, config=config, base=base, provenance={"made_by": "tests"})
+    if fast_weight_std is not None:
+        with torch.no_grad():
+            for module in modules.values():
+                for weight in module.fast_weights():
+                    weight.normal_(0.0, fast_weight_std)
+    return save_t5_weights(path, modules, arch=arch, config=config, base=base, provenance={"made_by": made_by})
 
 
 def predict(patcher, x: torch.Tensor, sigma: float, context: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
@@ -73,35 +95,6 @@ def predict(patcher, x: torch.Tensor, sigma: float, context: torch.Tensor, poole
             x.to(device), sigmas, c_crossattn=context.to(device), y=pooled.to(device), transformer_options=options
         )
     return ((x.to(device) - denoised.float()) / sigma).cpu()
-
-
-@pytest.fixture(scope="session")
-def transformer():
-    return tiny_transformer(PRESET)
-
-
-@pytest.fixture(scope="session")
-def checkpoint(comfy, transformer):
-    return write_checkpoint(comfy.models_dir / "diffusion_models" / "tiny_sd35m.safetensors", transformer)
-
-
-@pytest.fixture(scope="session")
-def model(comfy, checkpoint):
-    import comfy.sd
-
-    return comfy.sd.load_diffusion_model(str(checkpoint))
-
-
-@pytest.fixture(scope="session")
-def arch(model):
-    from t5core.hosts.comfy import arch_of
-
-    return arch_of(model)
-
-
-@pytest.fixture(scope="session")
-def weights_all(comfy, arch):
-    return write_t5_weights(comfy.models_dir / "t5_linearize" / "tiny_all.safetensors", arch, arch.attention_modules())
 
 
 def inputs(batch: int = 2, latent_hw: tuple[int, int] = (12, 20), text: int = 7, seed: int = 3) -> dict:
