@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run_interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    command = [sys.executable, str(ROOT / "benchmarks" / script), "--device=cpu", *args]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    command = [sys.executable, "-m", f"benchmarks.{script.removesuffix('.py')}", "--device=cpu", *args]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     return result

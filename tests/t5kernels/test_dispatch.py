@@ -15,7 +15,7 @@ import t5kernels
 from t5core import T5Attention, backend
 from t5core.ttt import t5_attention_ref
 from t5kernels import support
-from tests.t5kernels.testing import assert_close
+from testing.tolerances import assert_close
 
 H, D, GRID, TEXT = 2, 16, (3, 5), 4
 

@@ -1,8 +1,7 @@
-"""Helpers for the kernel tests: one comparison rule, and cases built from a readable spec."""
+"""Helpers for the kernel tests: cases built from a readable spec (the comparison rule is `testing.tolerances`)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,20 +10,6 @@ import torch
 from torch import Tensor
 
 from t5core.contract import fast_weight_names
-
-logger = logging.getLogger(__name__)
-
-
-def assert_close(name: str, ref: Tensor, out: Tensor, ratio: float) -> None:
-    """Relative RMS error of `out` against `ref` is at most `ratio`; the max abs error is logged."""
-    assert out.shape == ref.shape and out.dtype == ref.dtype, (
-        f"{name}: {out.shape}/{out.dtype} vs {ref.shape}/{ref.dtype}"
-    )
-    diff = (out.double() - ref.double()).flatten()
-    assert torch.isfinite(diff).all(), f"{name}: non-finite values (an unwritten tile?)"
-    rel = (diff.norm() / ref.double().norm().clamp_min(1e-30)).item()
-    logger.info("%s: relative RMS error %.2e, max abs error %.2e", name, rel, diff.abs().max().item())
-    assert rel <= ratio, f"{name}: relative RMS error {rel:.2e} > {ratio:.0e} (max abs {diff.abs().max().item():.2e})"
 
 
 @dataclass(frozen=True)
