@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -21,8 +22,18 @@ def test_compare_same_model_has_zero_distance_and_equal_scores(tmp_path):
     assert "| T5 |" in result.table()
     path = write_grid(tmp_path / "grid.png", result, columns=4, scale=2)
     with Image.open(path) as image:
-        # 2 row pairs (5 samples, 4 columns), each 32 + 32 pixels plus a 2-pixel separator, x2.
-        assert image.size == (4 * 32 * 2, 2 * 66 * 2)
+        pixels = torch.from_numpy(np.asarray(image.convert("RGB"))).permute(2, 0, 1).float() / 255
+    # 2 blocks (5 samples, 4 columns) of 64-pixel tiles (32 x 2, 4 pixels apart) after a title margin,
+    # each block a caption band, then the teacher's and the student's row; the sample pixels unchanged.
+    width, height = pixels.shape[2], pixels.shape[1]
+    margin = width - 4 * (64 + 4)
+    assert margin > 0 and height % 2 == 0
+    block = height // 2
+    band = block - 2 * 64 - 2 * 4
+    first = pixels[:, band : band + 64 : 2, margin : margin + 64 : 2]
+    torch.testing.assert_close(first, result.teacher_images[0].clamp(0, 1), atol=1 / 255, rtol=0)
+    # the titles and captions are drawn: the margin and the caption band are not blank
+    assert pixels[:, band:, :margin].std() > 0 and pixels[:, :band, margin:].std() > 0
 
 
 def test_compare_different_students_differ():

@@ -2,7 +2,7 @@
 
 comparison = compare(teacher, student)          # same prompts and noise for both
 print(comparison.table())
-write_grid(run_dir / "grid.png", comparison)    # row pairs: teacher above, student below
+write_grid(run_dir / "grid.png", comparison)    # captions, then teacher and student rows, titled
 """
 
 from __future__ import annotations
@@ -79,24 +79,52 @@ def compare(teacher, student, *, count: int = 180, steps: int = 20, cfg: float =
     )
 
 
-def write_grid(path: Path | str, comparison: Comparison, *, columns: int = 12, scale: int = 3) -> Path:
-    """Write a PNG of the first samples: each pair of rows is teacher (top) and student (bottom)
-    for the same captions and noise, separated by a grey line; pixels are upscaled `scale` times."""
-    from PIL import Image
+def _wrap(draw, text: str, font, width: int) -> list[str]:
+    """`text` broken at spaces into lines no wider than `width` pixels (a longer word keeps its line)."""
+    lines: list[str] = []
+    for word in text.split():
+        if lines and draw.textlength(f"{lines[-1]} {word}", font=font) <= width:
+            lines[-1] = f"{lines[-1]} {word}"
+        else:
+            lines.append(word)
+    return lines
+
+
+def write_grid(
+    path: Path | str, comparison: Comparison, *, columns: int = 12, scale: int = 3, student_name: str = "T5"
+) -> Path:
+    """Write a labelled PNG of the first samples, in blocks of `columns`: each block has the captions on
+    top, then the teacher's row and the student's row for those captions and the same noise, each row
+    titled on the left; pixels are upscaled `scale` times."""
+    from PIL import Image, ImageDraw, ImageFont
 
     teacher, student = comparison.teacher_images, comparison.student_images
     count = min(teacher.shape[0], columns * 4)
-    pairs = []
-    for start in range(0, count, columns):
-        chunk = slice(start, min(start + columns, count))
-        pad = columns - (chunk.stop - chunk.start)
-        rows = [
-            torch.cat(list(images[chunk]) + [torch.zeros_like(images[0])] * pad, dim=2) for images in (teacher, student)
-        ]
-        pairs.append(torch.cat([rows[0], rows[1], torch.full((3, 2, rows[0].shape[2]), 0.5)], dim=1))
-    grid = torch.cat(pairs, dim=1)
-    pixels = (grid.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-    image = Image.fromarray(pixels).resize((pixels.shape[1] * scale, pixels.shape[0] * scale), Image.NEAREST)
+    tile, pad = teacher.shape[-1] * scale, 4
+    font = ImageFont.load_default()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    line_height = sum(font.getmetrics()) + 2
+    titles = ("teacher", student_name)
+    margin = int(max(measure.textlength(title, font=font) for title in titles)) + 2 * pad
+    captions = [_wrap(measure, str(caption), font, tile + pad - 2) for caption in comparison.captions[:count]]
+    band = max(len(lines) for lines in captions) * line_height + pad
+    block = band + 2 * tile + 2 * pad
+    blocks = (count + columns - 1) // columns
+    image = Image.new("RGB", (margin + columns * (tile + pad), blocks * block), (24, 24, 24))
+    draw = ImageDraw.Draw(image)
+    for index in range(count):
+        row, column = divmod(index, columns)
+        left, top = margin + column * (tile + pad), row * block
+        for number, line in enumerate(captions[index]):
+            draw.text((left + 1, top + pad + number * line_height), line, fill=(220, 220, 220), font=font)
+        for offset, images in enumerate((teacher, student)):
+            pixels = (images[index].clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+            picture = Image.fromarray(pixels).resize((tile, tile), Image.NEAREST)
+            image.paste(picture, (left, top + band + offset * (tile + pad)))
+    for row in range(blocks):
+        for offset, title in enumerate(titles):
+            y = row * block + band + offset * (tile + pad) + (tile - line_height) // 2
+            draw.text((pad, y), title, fill=(255, 255, 255), font=font)
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return write_bytes_atomic(path, buffer.getvalue())
