@@ -1,184 +1,280 @@
-"""T5Attention (torch path) against PyTorch SDPA: time, ratio, growth with N, and peak memory.
+"""The torch paths of T5 attention against PyTorch SDPA: time, speedup, growth with N, and peak memory.
 
-    python benchmarks/bench_attention.py                 # B=1, 24 heads x 64, N = 1024, 4096, 16384
-    python benchmarks/bench_attention.py --tokens 1024 4096 --device cuda
+    python -m benchmarks.bench_attention                     # N = 4096, 16384; B=1, 24 heads x 64; 2 threads
+    python -m benchmarks.bench_attention --tokens 1024 4096 --chunk-sweep 512 1024 2048
 
-Tokens form a square image grid (an image-only `attn2` call). Peak memory is the extra resident
-memory of one call above its inputs, measured in a fresh process per case on CPU (Linux VmHWM), or
-`torch.cuda.max_memory_allocated` on CUDA. Writes `benchmarks/results/attention_<device>.json`.
+Paths: `sdpa` (`F.scaled_dot_product_attention`), `ref` (`t5core.ttt.t5_attention_ref`, the plain
+reference) and `chunked` (`t5core.ttt_chunked.t5_attention_chunked`), forward only, without autograd,
+on a square image grid with no text (SD3.5 Medium's image-only `attn2` shape) and T5Attention's
+initial parameters. Each shape is checked first: the chunked output must match the reference
+(relative RMS error <= 1e-5 in fp32), else the row reads FAIL.
+
+Time: after one warm-up call of each path, `--rounds` rounds each time every path in turn (two calls,
+`benchmarks.timing.time_fn`), and a path's time is the median over the rounds (with 20 / 80 %
+quantiles). On a machine other jobs share, the paths so see the same load; the load average is
+printed. Speedup vs SDPA = SDPA time / T5 time (> 1: T5 is faster); growth = time at N / time at
+the previous N.
+
+Peak memory: the most memory one call holds at once above its inputs and output (MiB). On CUDA,
+`torch.cuda.max_memory_allocated` above the allocation before the call, less the output's bytes. On
+CPU, the call runs under
+`torch.profiler` with `profile_memory=True`, which records every allocation and free of torch's CPU
+allocator made while it runs (the inputs, made before, do not count); the number is the peak of
+their running sum, the output's allocation left out (the output is not always alive at the peak).
+This counts the tensors themselves, not the process RSS: it does not depend on malloc caching or
+on the other processes on the machine, so unlike time it is not disturbed by load.
+
+`--chunk-sweep` also times the chunked path (in turn, as above) and measures its peak at the largest
+N for each chunk size given (how `t5core.ttt_chunked.DEFAULT_CHUNK_TOKENS` was chosen). The table is printed with
+the goals of issue 12 (chunked peak <= 2 inputs, speedup >= 10, growth 4096 -> 16384 <= 5) and the
+load average; rows go to `benchmarks/results/attention_<device>.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import math
-import subprocess
-import sys
-from pathlib import Path
+import os
+import statistics
+import tempfile
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, time_fn, write_json
+from t5core import T5Attention
+from t5core.ttt import t5_attention_ref
+from t5core.ttt_chunked import DEFAULT_CHUNK_TOKENS, t5_attention_chunked
+from testing.tolerances import CHUNKED_RATIO, relative_rms
 
-from benchmarks.timing import header_line, time_fn, write_json  # noqa: E402
-from t5core import T5Attention  # noqa: E402
-from t5core.ttt import t5_attention_ref  # noqa: E402
-
-PATHS = ("sdpa", "t5")
+PATHS = ("sdpa", "ref", "chunked")
 
 
-def make_case(n: int, heads: int, head_dim: int, device: str, dtype: torch.dtype):
+def make_case(n: int, args: argparse.Namespace) -> tuple[dict[str, Callable[..., Tensor]], Callable[[], float]]:
+    """The three paths on one set of inputs (each takes `chunk_tokens`, used by `chunked` only) and a
+    check that returns the chunked path's relative RMS error against the reference."""
     side = math.isqrt(n)
     if side * side != n:
         raise SystemExit(f"--tokens {n}: use square numbers (a side x side grid).")
+    dtype = getattr(torch, args.dtype)
     generator = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, n, heads, head_dim, generator=generator).to(device, dtype) for _ in range(3))
+    q, k, v = (
+        torch.randn(1, n, args.heads, args.head_dim, generator=generator).to(args.device, dtype) for _ in range(3)
+    )
     torch.manual_seed(0)
-    module = T5Attention(heads, head_dim, backend="torch").to(device)
-    q_bhnd, k_bhnd, v_bhnd = (x.transpose(1, 2) for x in (q, k, v))
+    module = T5Attention(args.heads, args.head_dim).to(args.device)
+    call = dict(
+        weights=tuple(w.detach() for w in module.fast_weights()),
+        q_conv=(module.q_conv.weight.detach(), module.q_conv.bias.detach()),
+        k_conv=(module.k_conv.weight.detach(), module.k_conv.bias.detach()),
+        grid=(side, side),
+    )
+    q_BHND, k_BHND, v_BHND = (x.transpose(1, 2) for x in (q, k, v))
 
-    def run_sdpa():
-        with torch.no_grad():
-            return F.scaled_dot_product_attention(q_bhnd, k_bhnd, v_bhnd)
+    @torch.no_grad()
+    def run_sdpa(chunk_tokens: int = 0) -> Tensor:
+        return F.scaled_dot_product_attention(q_BHND, k_BHND, v_BHND).transpose(1, 2)
 
-    def run_t5():
-        with torch.no_grad():
-            return module(q, k, v, grid=(side, side))
+    @torch.no_grad()
+    def run_ref(chunk_tokens: int = 0) -> Tensor:
+        return t5_attention_ref(q, k, v, **call)
 
-    def check() -> bool:
-        with torch.no_grad():
-            ref = t5_attention_ref(
-                q,
-                k,
-                v,
-                weights=module.fast_weights(),
-                q_conv=(module.q_conv.weight, module.q_conv.bias),
-                k_conv=(module.k_conv.weight, module.k_conv.bias),
-                grid=(side, side),
-            )
-            return bool(torch.isfinite(ref).all()) and torch.equal(run_t5(), ref)
+    @torch.no_grad()
+    def run_chunked(chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+        return t5_attention_chunked(q, k, v, chunk_tokens=chunk_tokens, **call)
 
-    return {"sdpa": run_sdpa, "t5": run_t5}, check
+    def check() -> float:
+        ref, out = run_ref(), run_chunked()
+        return relative_rms(ref, out) if torch.isfinite(out).all() else math.inf
+
+    return {"sdpa": run_sdpa, "ref": run_ref, "chunked": run_chunked}, check
 
 
-def peak_memory_mib(path: str, n: int, args: argparse.Namespace) -> float:
-    """Extra peak memory of one call above its inputs, in MiB."""
-    if args.device == "cuda":
-        fns, _ = make_case(n, args.heads, args.head_dim, "cuda", getattr(torch, args.dtype))
-        fns[path]()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fns[path]()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-    command = [
-        sys.executable,
-        __file__,
-        "--measure-memory",
-        path,
-        "--tokens",
-        str(n),
-        "--heads",
-        str(args.heads),
-        "--head-dim",
-        str(args.head_dim),
-        "--dtype",
-        args.dtype,
-        "--threads",
-        str(args.threads),
+def _cpu_peak_mib(fn: Callable[[], Tensor]) -> float:
+    profiler = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, acc_events=True
+    )
+    with profiler as prof:
+        out = fn()
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as file:
+            events = json.load(file)["traceEvents"]
+    # (time, bytes, address) of every allocation (+) and free (-) made while profiling
+    changes = sorted(
+        (event["ts"], event["args"]["Bytes"], event["args"]["Addr"])
+        for event in events
+        if event.get("name") == "[memory]"
+    )
+    output = out.untyped_storage().data_ptr()
+    output_at = max((ts for ts, nbytes, address in changes if address == output and nbytes > 0), default=math.inf)
+    # the allocator's own running total drifts across profiling sessions (frees made while no profiler
+    # runs are not counted), so the total is summed here; the output's bytes leave it once allocated
+    total, peak = 0, 0
+    for ts, nbytes, address in changes:
+        total += 0 if ts == output_at and address == output else nbytes
+        peak = max(peak, total)
+    return peak / 2**20
+
+
+def peak_memory_mib(fn: Callable[[], Tensor], device: str) -> float:
+    """Peak memory of `fn()` above its inputs and its output, in MiB (module docstring)."""
+    if device != "cuda":
+        return _cpu_peak_mib(fn)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()) / 2**20
+
+
+def time_in_turn(fns: dict[str, Callable[[], Tensor]], rounds: int) -> dict[str, dict[str, float]]:
+    """`{"median_ms", "p20_ms", "p80_ms"}` per path over `rounds` rounds that time every path in turn."""
+    for fn in fns.values():
+        fn()
+    per_round: dict[str, list[float]] = {path: [] for path in fns}
+    for _ in range(rounds):
+        for path, fn in fns.items():
+            per_round[path].append(time_fn(fn, warmup=0, reps=2)["median_ms"])
+    timings = {}
+    for path, times in per_round.items():
+        deciles = statistics.quantiles(times, n=10, method="inclusive")
+        timings[path] = {"median_ms": statistics.median(times), "p20_ms": deciles[1], "p80_ms": deciles[7]}
+    return timings
+
+
+def measure(n: int, args: argparse.Namespace, previous: dict | None) -> dict:
+    """One row: check, then time and peak memory of every path, speedups and growth."""
+    fns, check = make_case(n, args)
+    error = check()
+    dtype = getattr(torch, args.dtype)
+    row: dict = {"tokens": n, "chunked_rel_error": error}
+    if not error <= CHUNKED_RATIO[dtype]:
+        return {**row, "status": "FAIL"}
+    row["status"] = "ok"
+    row["input_mib"] = n * args.heads * args.head_dim * dtype.itemsize / 2**20
+    for path, timing in time_in_turn(fns, args.rounds).items():
+        row.update({f"{path}_{key}": value for key, value in timing.items()})
+        row[f"{path}_peak_mib"] = peak_memory_mib(fns[path], args.device)
+        row[f"{path}_growth"] = row[f"{path}_median_ms"] / previous[f"{path}_median_ms"] if previous else None
+    for path in ("ref", "chunked"):
+        row[f"{path}_speedup_vs_sdpa"] = speedup(row["sdpa_median_ms"], row[f"{path}_median_ms"])
+    return row
+
+
+def sweep_chunks(n: int, sizes: list[int], args: argparse.Namespace) -> list[dict]:
+    """Time and peak memory of the chunked path at `n` tokens for each chunk size."""
+    fns, _ = make_case(n, args)
+    chunked = {size: functools.partial(fns["chunked"], size) for size in sizes}
+    rows = []
+    for size, timing in time_in_turn(chunked, args.rounds).items():
+        rows.append(
+            {"tokens": n, "chunk_tokens": size, **timing, "peak_mib": peak_memory_mib(chunked[size], args.device)}
+        )
+        print(f"{n:>6} {size:>7} {timing['median_ms']:>10.1f} {rows[-1]['peak_mib']:>9.0f}", flush=True)
+    return rows
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_row(row: dict) -> None:
+    if row["status"] != "ok":
+        print(f"{row['tokens']:>6} FAIL: chunked vs reference relative RMS error {row['chunked_rel_error']:.2e}")
+        return
+    times = " ".join(f"{row[f'{path}_median_ms']:>9.1f}" for path in PATHS)
+    speedups = " ".join(f"{row[f'{path}_speedup_vs_sdpa']:>7.2f}x" for path in ("ref", "chunked"))
+    growth = " ".join(f"{_fmt(row[f'{path}_growth'], '.2f'):>6}" for path in PATHS)
+    peaks = " ".join(f"{row[f'{path}_peak_mib']:>7.0f}" for path in PATHS)
+    print(f"{row['tokens']:>6} {times} {speedups} {growth} {peaks}")
+
+
+def goals(rows: list[dict]) -> list[str]:
+    """Issue 12's goals for the chunked path, measured on these rows."""
+    ok = [row for row in rows if row["status"] == "ok"]
+    if not ok:
+        return []
+    last = ok[-1]
+    peak, budget = last["chunked_peak_mib"], 2 * last["input_mib"]
+    lines = [
+        f"peak memory <= 2 inputs ({budget:.0f} MiB) at N={last['tokens']}: {peak:.0f} MiB -> "
+        f"{'met' if peak <= budget else 'NOT met'}",
+        f"speedup vs SDPA >= 10x at N={last['tokens']}: {last['chunked_speedup_vs_sdpa']:.1f}x -> "
+        f"{'met' if last['chunked_speedup_vs_sdpa'] >= 10 else 'NOT met'}",
     ]
-    return float(subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip())
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}; CPU memory is measured on Linux only.")
-
-
-def measure_memory_here(path: str, args: argparse.Namespace) -> None:
-    """In a fresh CPU process: build the inputs, reset the peak RSS (Linux clear_refs), make one
-    call, and print how far it raised the peak above the resident memory before it (MiB)."""
-    fns, _ = make_case(args.tokens[0], args.heads, args.head_dim, "cpu", getattr(torch, args.dtype))
-    fns[path]()
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status_kib("VmRSS")
-    fns[path]()
-    print((_status_kib("VmHWM") - before) / 1024)
-
-
-def _growth(row: dict, path: str) -> str:
-    return f"{row[f'{path}_growth']:.2f}" if row[f"{path}_growth"] else "-"
+    if last["chunked_growth"] is not None:
+        growth = last["chunked_growth"]
+        lines.append(
+            f"time growth {ok[-2]['tokens']} -> {last['tokens']} <= 5x: {growth:.2f}x -> "
+            f"{'met' if growth <= 5 else 'NOT met'}"
+        )
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--tokens", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths (square grids)"
-    )
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="sequence lengths (square grids)")
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
-    parser.add_argument("--measure-memory", choices=PATHS, help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=3, help="timing rounds (each times every path twice)")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch (0 = torch's default)")
+    parser.add_argument(
+        "--chunk-sweep", type=int, nargs="*", default=[], help="chunk sizes to sweep at the largest N (chunked path)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.measure_memory:
-        measure_memory_here(args.measure_memory, args)
-        return
 
+    load_before = os.getloadavg()
     print(header_line())
     print(
-        f"T5Attention (torch path) vs SDPA | B=1, {args.heads} heads x {args.head_dim}, {args.dtype}, "
-        f"image grid, no text, {torch.get_num_threads()} threads"
+        f"T5 attention torch paths vs SDPA | B=1, {args.heads} heads x {args.head_dim}, {args.dtype}, image grid, "
+        f"no text, {torch.get_num_threads()} threads, chunk {DEFAULT_CHUNK_TOKENS} tokens, "
+        f"load average {load_before[0]:.2f}"
     )
     print(
-        f"{'N':>6} {'sdpa ms':>10} {'t5 ms':>10} {'t5/sdpa':>8} {'sdpa x':>7} {'t5 x':>6} {'sdpa MiB':>9} {'t5 MiB':>8}"
+        f"{'N':>6} {'sdpa ms':>9} {'ref ms':>9} {'chunk ms':>9} {'ref':>8} {'chunked':>8} "
+        f"{'sdpa x':>6} {'ref x':>6} {'chk x':>6} {'sdpa MiB':>7} {'ref MiB':>7} {'chk MiB':>7}"
     )
     rows: list[dict] = []
     for n in args.tokens:
-        fns, check = make_case(n, args.heads, args.head_dim, args.device, getattr(torch, args.dtype))
-        if not check():
-            print(f"{n:>6} FAIL: the module disagrees with t5core.ttt or is not finite")
-            rows.append({"tokens": n, "status": "FAIL"})
-            continue
-        row: dict = {"tokens": n, "status": "ok"}
-        for path, fn in fns.items():
-            timing = time_fn(fn, warmup=1, reps=args.reps)
-            row.update({f"{path}_{key}": value for key, value in timing.items()})
-            row[f"{path}_peak_mib"] = peak_memory_mib(path, n, args)
-        row["t5_over_sdpa"] = row["t5_median_ms"] / row["sdpa_median_ms"]
         previous = rows[-1] if rows and rows[-1]["status"] == "ok" else None
-        for path in PATHS:
-            row[f"{path}_growth"] = row[f"{path}_median_ms"] / previous[f"{path}_median_ms"] if previous else None
-        rows.append(row)
-
-        print(
-            f"{n:>6} {row['sdpa_median_ms']:>10.1f} {row['t5_median_ms']:>10.1f} {row['t5_over_sdpa']:>8.3f} "
-            f"{_growth(row, 'sdpa'):>7} {_growth(row, 't5'):>6} {row['sdpa_peak_mib']:>9.0f} {row['t5_peak_mib']:>8.0f}"
-        )
+        rows.append(measure(n, args, previous))
+        print_row(rows[-1])
     print(
-        "t5/sdpa < 1: T5 is faster. 'x' columns: time growth from the previous N "
-        "(4x tokens: linear = 4, quadratic = 16)."
+        f"'ref' / 'chunked': {SPEEDUP_VS_SOFTMAX}, softmax = SDPA (> 1: T5 is faster). 'x' columns: time growth "
+        "from the previous N (4x tokens: linear = 4, quadratic = 16). MiB: peak above inputs and output."
     )
-    path = write_json(
-        f"attention_{args.device}",
-        rows,
-        {
-            "heads": args.heads,
-            "head_dim": args.head_dim,
-            "dtype": args.dtype,
-            "batch": 1,
-            "threads": torch.get_num_threads(),
-        },
-    )
-    print(f"wrote {path}")
+    for line in goals(rows):
+        print("goal:", line)
+    sweep: list[dict] = []
+    if args.chunk_sweep:
+        print(f"{'N':>6} {'chunk':>7} {'chunk ms':>10} {'peak MiB':>9}")
+        sweep = sweep_chunks(max(args.tokens), args.chunk_sweep, args)
+    load_after = os.getloadavg()
+    print(f"load average (1 min) before {load_before[0]:.2f}, after {load_after[0]:.2f}")
+    meta = {
+        "heads": args.heads,
+        "head_dim": args.head_dim,
+        "dtype": args.dtype,
+        "batch": 1,
+        "threads": torch.get_num_threads(),
+        "chunk_tokens": DEFAULT_CHUNK_TOKENS,
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "goals": goals(rows),
+        "chunk_sweep": sweep,
+    }
+    print(f"wrote {write_json(f'attention_{args.device}', rows, meta)}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Backend choice for T5 attention, made in one place and reported.
 
-`"torch"` runs `t5core.ttt.reference_attention`; `"triton"` runs `t5kernels.fused_attention`;
+`"torch"` runs `t5core.ttt_chunked.chunked_attention` (the reference math of `t5core.ttt`, over
+chunks of tokens, so its memory does not grow with N); `"triton"` runs `t5kernels.fused_attention`;
 `"auto"` picks Triton for CUDA tensors when the kernels support the call, else torch, and logs
 once per reason which path runs. The environment variable `T5_BACKEND` overrides `"auto"`.
 Under `"auto"`, kernels that Triton cannot build or launch on this machine are reported once and
@@ -19,7 +20,7 @@ from typing import Literal
 from torch import Tensor
 
 from t5core.contract import T5Layout, T5Params
-from t5core.ttt import reference_attention
+from t5core.ttt_chunked import chunked_attention
 
 __all__ = ["Backend", "BACKENDS", "attend", "resolve_backend"]
 
@@ -122,4 +123,4 @@ def attend(requested: str, q: Tensor, k: Tensor, v: Tensor, params: T5Params, la
                 raise
             _BUILD_FAILURES[_failure_key(q, layout.variant)] = f"the kernels failed to build or launch here: {error}"
             logger.warning("T5 attention: %s; running the torch path for these calls from now on", error)
-    return reference_attention(q, k, v, params, layout)
+    return chunked_attention(q, k, v, params, layout)

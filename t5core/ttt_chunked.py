@@ -1,0 +1,381 @@
+"""T5 attention on the torch path with bounded memory: `t5core.ttt.t5_attention_ref`, computed in
+chunks of tokens, forward and backward.
+
+Legend: B batch, N tokens, H heads, D head dim, h x w latent grid, T text tokens, n tokens of one
+chunk. Public functions take and return the host layout (B, N, H, D); `_BHND` marks head-major.
+
+The reference writes about nine (B, H, N, D) fp32 tensors per call. Here each pass walks the tokens
+chunk by chunk (`t5core.token_chunks`: bands of image rows with one halo row above and below for the
+3x3 convs, runs of text tokens) and carries only per-(B, H) state from one chunk to the next.
+
+Forward, with scale = D^-0.5 and c = scale / N:
+
+1. key statistics: each chunk's mean and biased variance, merged exactly (Chan's pairwise update);
+2. inner step: each chunk adds its share of dL/dW (the closed form of `t5core.ttt.inner_step`, with
+   the global N in e) to fp32 (B, H, D, D) sums; W' = W - sums;
+3. apply: each chunk's queries (+ conv) give o = f_W'(q), written into the output.
+
+Backward (`_ChunkedT5Function` saves the inputs, parameters, key statistics and W', and recomputes
+per chunk). With U = dLoss/dW':
+
+1. apply: each chunk adds its share of U and scatters dLoss/dq through the conv's transpose (which
+   reaches the halo rows) into an fp32 (B, N, H, D) buffer;
+2. inner step: W' = W - G(k, v, W), so dLoss/dW = U + d/dW phi and the key and value gradients are
+   d/dk phi, d/dv phi of phi = -<U, G>, per token (the inner-step symbols as in `t5core.ttt`;
+   silu', silu'' the derivatives of silu):
+
+   swiglu  p1 = da2 z2 silu'(z1), p2 = da2 a1,  dp1 = -k U1, dp2 = -k U2, dA = -e U3^T
+           d(da2) = dp1 z2 silu'(z1) + dp2 a1,  dz2 = dp1 da2 silu'(z1) + dA a1
+           dz1 = dp1 da2 z2 silu''(z1) + (dp2 da2 + dA z2) silu'(z1)
+           dk = dz1 W1^T + dz2 W2^T - p1 U1^T - p2 U2^T,  de = d(da2) W3 - (a1 z2) U3,  dv = -c de
+           dW1 += k^T dz1, dW2 += k^T dz2, dW3 += d(da2)^T e
+   mlp     e2 = e W2^T, p1 = e2 silu'(z1),  dp1 = -k U1,  de = (dp1 silu'(z1)) W2 - a1 U2,  dy = c de
+           dz1 = dp1 e2 silu''(z1) + (dy W2^T - e U2^T) silu'(z1),  dk = dz1 W1^T - p1 U1^T,  dv = -dy
+           dW1 += k^T dz1, dW2 += (dp1 silu'(z1))^T e + a1^T dy
+
+   The gradient of the normalised keys is scattered through the k conv's transpose into a second
+   fp32 buffer;
+3. key norm: two sums over tokens, then dk = rstd (dkn - mean_N dkn - kn mean_N(dkn kn)) in place.
+
+Memory above inputs and output: about ten (B, H, n, D) fp32 chunk temporaries in forward, a few
+dozen in backward, plus there the two fp32 gradient buffers (dq and dk themselves for fp32 inputs).
+
+Chunk size (`DEFAULT_CHUNK_TOKENS` = 2048), measured at N = 16384 (one sample, 24 heads x 64, fp32,
+2 threads, forward; peak and time as `python -m benchmarks.bench_attention --chunk-sweep ...`
+measures them, paths timed in turn) on a 2-core machine shared with other jobs:
+
+    chunk tokens              256    512   1024   2048   4096    reference (one chunk of N)
+    peak MiB                   12     23     44     86    170    1056
+    ms, load average 1-2        -      -    323    419    506    1118
+    ms, load average 3-4    12047   3412   3510   1210   1813    2218
+
+Peak memory is linear in the chunk (about 42 KiB per chunk token here). On a quiet machine time is
+nearly flat from 1024 up. Every chunk runs some 50 ops, each a multi-threaded region; when other
+processes hold the cores each region waits for its threads, so small chunks lose most under load.
+2048 is the compromise: within a third of the best time when quiet, the best under load, fewer
+kernel launches on a GPU, and under half of issue 12's memory budget (two inputs, 192 MiB here).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from t5core.contract import Conv, T5Layout, T5Params, check_call
+from t5core.token_chunks import Chunk, Prepare, TokenChunks
+from t5core.ttt import inner_apply
+
+__all__ = ["DEFAULT_CHUNK_TOKENS", "chunked_attention", "t5_attention_chunked"]
+
+DEFAULT_CHUNK_TOKENS = 2048
+
+
+def _silu_and_grad_(z: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """silu(z) and silu'(z), written over z and over s = sigmoid(z) (chunk memory): silu' = s (1 + z (1 - s))
+    as in `t5core.ttt`, computed as silu + s (1 - silu)."""
+    a = z.mul_(s)
+    return a, s.mul_(1 - a).add_(a)
+
+
+def _silu_grad2(z: Tensor, s: Tensor) -> Tensor:
+    """silu''(z) = sigmoid (1 - sigmoid) (2 + z (1 - 2 sigmoid)), from s = sigmoid(z)."""
+    return s * (1 - s) * (2 + z * (1 - 2 * s))
+
+
+def _heads_first(x: Tensor) -> Tensor:
+    """`(B, n, H, D)` -> contiguous fp32 `(B, H, n, D)`."""
+    return x.float().transpose(1, 2).contiguous()
+
+
+def _to_float(x: Tensor) -> Tensor:
+    return x.float()
+
+
+def _accumulate(totals: list[Tensor], shares: tuple[Tensor, ...]) -> None:
+    for total, share in zip(totals, shares, strict=True):
+        total += share
+
+
+def _key_stats(k: Tensor, chunks: list[Chunk], eps: float) -> tuple[Tensor, Tensor]:
+    """Per sample and channel mean and 1 / sqrt(biased variance + eps) over all tokens, `(B, 1, H, D)`.
+
+    Each chunk's mean and sum of squared deviations (two passes over the chunk) are merged with Chan's
+    pairwise update, which keeps the variance exact where a sum of squares would cancel.
+    """
+    mean = torch.zeros(k.shape[0], 1, *k.shape[2:], dtype=torch.float32, device=k.device)
+    m2 = torch.zeros_like(mean)
+    count = 0
+    for chunk in chunks:
+        x = k[:, chunk.tokens].float()
+        n_c = chunk.stop - chunk.start
+        mean_c = x.sum(1, keepdim=True) / n_c
+        delta = mean_c - mean
+        m2 += (x - mean_c).square_().sum(1, keepdim=True) + delta.square() * (count * n_c / (count + n_c))
+        mean += delta * (n_c / (count + n_c))
+        count += n_c
+    return mean, torch.rsqrt(m2 / count + eps)
+
+
+def _key_prepare(stats: tuple[Tensor, Tensor] | None) -> Prepare:
+    """The key norm as a function of a token run (a cast to fp32 without it)."""
+    if stats is None:
+        return _to_float
+    mean, rstd = stats
+    return lambda x: (x.float() - mean) * rstd
+
+
+def _inner_grads(k: Tensor, v: Tensor, weights: tuple[Tensor, ...], variant: str, c: float) -> tuple[Tensor, ...]:
+    """One chunk's share of dL/dW (`t5core.ttt.inner_step` with e normalised by the full N: c = scale / N;
+    c is applied to the (D, D) factors, not to the (n, D) ones; intermediates are overwritten in place)."""
+    k_t = k.transpose(-1, -2)
+    z1 = k @ weights[0]
+    a1, ds = _silu_and_grad_(z1, torch.sigmoid(z1))
+    if variant == "swiglu":
+        _, w2, w3 = weights
+        z2 = k @ w2
+        g3 = ((a1 * z2).transpose(-1, -2) @ v) * -c
+        da2 = v @ (w3.transpose(-1, -2) * -c)
+        g2 = k_t @ (da2 * a1)
+        return k_t @ da2.mul_(z2).mul_(ds), g2, g3
+    w2 = weights[1]
+    error = (a1 @ w2).sub_(v)
+    return k_t @ (error @ (w2.transpose(-1, -2) * c)).mul_(ds), (a1.transpose(-1, -2) @ error) * c
+
+
+def _apply_backward(q: Tensor, grad: Tensor, fast: tuple[Tensor, ...], variant: str) -> tuple[Tensor, tuple]:
+    """Backward of o = f_W'(q) for one chunk: (dq, this chunk's share of dLoss/dW'), `(B, H, n, D)`."""
+    q_t = q.transpose(-1, -2)
+    if variant == "swiglu":
+        w1, w2, w3 = fast
+        u1, u2 = q @ w1, q @ w2
+        b1, db1 = _silu_and_grad_(u1, torch.sigmoid(u1))
+        dp = grad @ w3.transpose(-1, -2)
+        du1, du2 = dp * u2 * db1, dp * b1
+        dq = du1 @ w1.transpose(-1, -2) + du2 @ w2.transpose(-1, -2)
+        return dq, (q_t @ du1, q_t @ du2, (b1 * u2).transpose(-1, -2) @ grad)
+    w1, w2 = fast
+    u1 = q @ w1
+    b1, db1 = _silu_and_grad_(u1, torch.sigmoid(u1))
+    du1 = (grad @ w2.transpose(-1, -2)) * db1
+    return du1 @ w1.transpose(-1, -2), (q_t @ du1, b1.transpose(-1, -2) @ grad)
+
+
+def _inner_step_backward(
+    k: Tensor, v: Tensor, weights: tuple[Tensor, ...], u: tuple[Tensor, ...], variant: str, c: float
+) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+    """Gradients of phi = -<U, dL/dW> for one chunk (module docstring): dk, dv `(B, H, n, D)` and the
+    chunk's share of d phi / dW `(B, H, D, D)`."""
+    k_t = k.transpose(-1, -2)
+    if variant == "swiglu":
+        (w1, w2, w3), (u1, u2, u3) = weights, u
+        e = v * -c
+        z1, z2 = k @ w1, k @ w2
+        s1 = torch.sigmoid(z1)
+        dds = _silu_grad2(z1, s1)
+        a1, ds = _silu_and_grad_(z1, s1)
+        da2 = e @ w3.transpose(-1, -2)
+        p1, p2 = da2 * z2 * ds, da2 * a1
+        dp1, dp2, d_a = -(k @ u1), -(k @ u2), -(e @ u3.transpose(-1, -2))
+        d_da2 = dp1 * z2 * ds + dp2 * a1
+        dz1 = dp1 * da2 * z2 * dds + (dp2 * da2 + d_a * z2) * ds
+        dz2 = dp1 * da2 * ds + d_a * a1
+        dk = dz1 @ w1.transpose(-1, -2) + dz2 @ w2.transpose(-1, -2)
+        dk = dk - p1 @ u1.transpose(-1, -2) - p2 @ u2.transpose(-1, -2)
+        de = d_da2 @ w3 - (a1 * z2) @ u3
+        return dk, de * -c, (k_t @ dz1, k_t @ dz2, d_da2.transpose(-1, -2) @ e)
+    (w1, w2), (u1, u2) = weights, u
+    z1 = k @ w1
+    s1 = torch.sigmoid(z1)
+    dds = _silu_grad2(z1, s1)
+    a1, ds = _silu_and_grad_(z1, s1)
+    e = (a1 @ w2 - v) * c
+    e2 = e @ w2.transpose(-1, -2)
+    dp1 = -(k @ u1)
+    d_e2 = dp1 * ds
+    dy = (d_e2 @ w2 - a1 @ u2) * c
+    dz1 = dp1 * e2 * dds + (dy @ w2.transpose(-1, -2) - e @ u2.transpose(-1, -2)) * ds
+    dk = dz1 @ w1.transpose(-1, -2) - (e2 * ds) @ u1.transpose(-1, -2)
+    return dk, -dy, (k_t @ dz1, d_e2.transpose(-1, -2) @ e + a1.transpose(-1, -2) @ dy)
+
+
+def _key_norm_backward_(grad: Tensor, k: Tensor, chunks: list[Chunk], stats: tuple[Tensor, Tensor]) -> None:
+    """Turn `grad` `(B, N, H, D)` fp32, the gradient of the normalised keys, into that of the keys, in place."""
+    mean, rstd = stats
+    sum_grad, sum_grad_kn = torch.zeros_like(mean), torch.zeros_like(mean)
+    for chunk in chunks:
+        g, kn = grad[:, chunk.tokens], (k[:, chunk.tokens].float() - mean) * rstd
+        sum_grad += g.sum(1, keepdim=True)
+        sum_grad_kn += (g * kn).sum(1, keepdim=True)
+    n = k.shape[1]
+    for chunk in chunks:
+        g, kn = grad[:, chunk.tokens], (k[:, chunk.tokens].float() - mean) * rstd
+        g.sub_(sum_grad / n + kn * (sum_grad_kn / n)).mul_(rstd)
+
+
+def _conv(weight: Tensor | None, bias: Tensor | None) -> Conv | None:
+    return None if weight is None else (weight, bias)
+
+
+def _zero_grads(conv: Conv | None) -> list[Tensor]:
+    if conv is None:
+        return []
+    return [torch.zeros_like(p, dtype=torch.float32) if p is not None else None for p in conv]
+
+
+def _forward(
+    layout: T5Layout, plan: TokenChunks, q: Tensor, k: Tensor, v: Tensor, params: T5Params
+) -> tuple[Tensor, tuple[Tensor, Tensor] | None, tuple[Tensor, ...]]:
+    """Output, key statistics (None without the key norm) and W' (`params.weights` in fp32)."""
+    weights, q_conv, k_conv = params
+    stats = None if layout.key_norm_eps is None else _key_stats(k, plan.chunks, layout.key_norm_eps)
+    keys = _key_prepare(stats)
+    c = layout.head_dim**-0.5 / layout.tokens
+    sums = [torch.zeros(layout.batch, *w.shape, dtype=torch.float32, device=q.device) for w in weights]
+    for chunk in plan.chunks:
+        k_BHND = plan.local(k, chunk, k_conv, keys)
+        _accumulate(sums, _inner_grads(k_BHND, _heads_first(v[:, chunk.tokens]), weights, layout.variant, c))
+    fast = tuple(w - g for w, g in zip(weights, sums, strict=True))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for chunk in plan.chunks:
+        q_BHND = plan.local(q, chunk, q_conv, _to_float)
+        out[:, chunk.tokens] = inner_apply(q_BHND, fast, layout.variant).transpose(1, 2)
+    return out, stats, fast
+
+
+def _backward(
+    layout: T5Layout,
+    plan: TokenChunks,
+    grad_out: Tensor,
+    saved: tuple[Tensor, Tensor, Tensor, T5Params],
+    stats: tuple[Tensor, Tensor] | None,
+    fast: tuple[Tensor, ...],
+) -> tuple[Tensor, Tensor, Tensor, list, list, list[Tensor]]:
+    """dq, dk (fp32), dv, the conv gradients and the fast-weight gradients (fp32), chunk by chunk, from
+    the saved `(q, k, v, params)` (`params.weights` in fp32)."""
+    q, k, v, (weights, q_conv, k_conv) = saved
+    keys = _key_prepare(stats)
+    c = layout.head_dim**-0.5 / layout.tokens
+
+    dq, dq_conv = torch.zeros(q.shape, dtype=torch.float32, device=q.device), _zero_grads(q_conv)
+    u = [torch.zeros_like(w) for w in fast]
+    for chunk in plan.chunks:
+        q_BHND = plan.local(q, chunk, q_conv, _to_float)
+        dq_BHND, shares = _apply_backward(q_BHND, _heads_first(grad_out[:, chunk.tokens]), fast, layout.variant)
+        _accumulate(u, shares)
+        plan.local_backward(dq_BHND.transpose(1, 2), q, chunk, q_conv, _to_float, grad_x=dq, grad_conv=dq_conv)
+
+    dk, dk_conv = torch.zeros(k.shape, dtype=torch.float32, device=k.device), _zero_grads(k_conv)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dweights = [share.clone() for share in u]
+    for chunk in plan.chunks:
+        k_BHND = plan.local(k, chunk, k_conv, keys)
+        dk_BHND, dv_BHND, shares = _inner_step_backward(
+            k_BHND, _heads_first(v[:, chunk.tokens]), weights, tuple(u), layout.variant, c
+        )
+        dv[:, chunk.tokens] = dv_BHND.transpose(1, 2)
+        _accumulate(dweights, shares)
+        plan.local_backward(dk_BHND.transpose(1, 2), k, chunk, k_conv, keys, grad_x=dk, grad_conv=dk_conv)
+    if stats is not None:
+        _key_norm_backward_(dk, k, plan.chunks, stats)
+    return dq, dk, dv, dq_conv, dk_conv, [g.sum(0) for g in dweights]
+
+
+def _cast(grads: list[Tensor | None], conv: Conv | None) -> tuple[Tensor | None, Tensor | None]:
+    """Conv weight and bias gradients in the parameters' dtypes (None, None without the conv)."""
+    if conv is None:
+        return None, None
+    return tuple(None if p is None else g.to(p.dtype) for g, p in zip(grads, conv, strict=True))
+
+
+class _ChunkedT5Function(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layout, plan, q, k, v, q_conv_weight, q_conv_bias, k_conv_weight, k_conv_bias, *weights):
+        params = T5Params(
+            tuple(w.float() for w in weights), _conv(q_conv_weight, q_conv_bias), _conv(k_conv_weight, k_conv_bias)
+        )
+        out, stats, fast = _forward(layout, plan, q, k, v, params)
+        ctx.layout, ctx.plan = layout, plan
+        convs = (q_conv_weight, q_conv_bias, k_conv_weight, k_conv_bias)
+        ctx.save_for_backward(q, k, v, *convs, *(stats or (None, None)), *weights, *fast)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, q_conv_weight, q_conv_bias, k_conv_weight, k_conv_bias, mean, rstd, *rest = ctx.saved_tensors
+        weights, fast = rest[: len(rest) // 2], tuple(rest[len(rest) // 2 :])
+        q_conv, k_conv = _conv(q_conv_weight, q_conv_bias), _conv(k_conv_weight, k_conv_bias)
+        stats = None if mean is None else (mean, rstd)
+        params = T5Params(tuple(w.float() for w in weights), q_conv, k_conv)
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            dq, dk, dv, dq_conv, dk_conv, dweights = _backward(
+                ctx.layout, ctx.plan, grad_out, (q, k, v, params), stats, fast
+            )
+        return (
+            None,
+            None,
+            dq.to(q.dtype),
+            dk.to(k.dtype),
+            dv,
+            *_cast(dq_conv, q_conv),
+            *_cast(dk_conv, k_conv),
+            *(g.to(w.dtype) for g, w in zip(dweights, weights, strict=True)),
+        )
+
+
+def chunked_attention(
+    q: Tensor, k: Tensor, v: Tensor, params: T5Params, layout: T5Layout, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+) -> Tensor:
+    """`t5_attention_chunked` on a call `t5core.contract.check_call` has already checked (what
+    `t5core.backend` runs for the torch backend).
+
+    Args:
+        q, k, v (`Tensor`): `(B, N, H, D)` as checked.
+        params (`T5Params`): the fast weights and the locality convs.
+        layout (`T5Layout`): grid, text layout, variant and key-norm eps of the call.
+        chunk_tokens (`int`, *optional*, defaults to `DEFAULT_CHUNK_TOKENS`): tokens per chunk; with
+            locality a chunk is `max(1, chunk_tokens // w)` whole image rows.
+
+    Returns:
+        `(B, N, H, D)` in the dtype of `q`.
+
+    Raises:
+        ValueError: `chunk_tokens` is not a positive int.
+    """
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be a positive int; got {chunk_tokens!r}. Use e.g. {DEFAULT_CHUNK_TOKENS}.")
+    plan = TokenChunks(
+        layout.tokens,
+        chunk_tokens,
+        grid=layout.grid if layout.locality else None,
+        text_tokens=layout.text_tokens,
+        text_first=layout.text_first,
+    )
+    convs = (*(params.q_conv or (None, None)), *(params.k_conv or (None, None)))
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        return _ChunkedT5Function.apply(layout, plan, q, k, v, *convs, *params.weights)
+
+
+def t5_attention_chunked(
+    q: Tensor, k: Tensor, v: Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, **arguments
+) -> Tensor:
+    """T5 attention on the torch path in chunks of tokens: `t5core.ttt.t5_attention_ref`'s output and
+    gradients, with memory bounded by the chunk size instead of N.
+
+    Args:
+        q, k, v (`Tensor`): `(B, N, H, D)` in any float dtype.
+        chunk_tokens (`int`, *optional*, defaults to `DEFAULT_CHUNK_TOKENS`): tokens per chunk; with
+            locality a chunk is `max(1, chunk_tokens // w)` whole image rows.
+        **arguments: the rest of the call contract, checked by `t5core.contract.check_call`:
+            `weights` (required), `variant`, `q_conv`, `k_conv`, `grid`, `text_tokens`, `text_first`,
+            `key_norm_eps`.
+
+    Returns:
+        `(B, N, H, D)` in the dtype of `q`.
+
+    Raises:
+        ValueError, TypeError: as `check_call` raises them for a call that breaks the contract, or
+            `chunk_tokens` is not a positive int.
+    """
+    return chunked_attention(q, k, v, *check_call(q, k, v, **arguments), chunk_tokens=chunk_tokens)
