@@ -14,6 +14,7 @@ import torch
 import t5kernels
 from t5core import T5Attention, backend
 from t5core.ttt import t5_attention_ref
+from t5core.ttt_chunked import t5_attention_chunked
 from t5kernels import support
 from testing.tolerances import assert_close
 
@@ -65,8 +66,9 @@ def kernels_fail_to_build(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-def _reference(module: T5Attention, q, k, v) -> torch.Tensor:
-    return t5_attention_ref(
+def _torch_path(module: T5Attention, q, k, v) -> torch.Tensor:
+    """What the torch backend computes (the chunked reference math), called directly."""
+    return t5_attention_chunked(
         q,
         k,
         v,
@@ -85,7 +87,7 @@ def test_cpu_without_interpreter_runs_the_torch_path(requested, module, qkv, ker
     with caplog.at_level(logging.INFO, logger="t5core.backend"):
         out = module(*qkv, grid=GRID, text_tokens=TEXT)
     assert kernel_calls == []
-    assert torch.equal(out, _reference(module, *qkv))
+    assert torch.equal(out, _torch_path(module, *qkv))
     if requested == "auto":
         assert "running the torch path because q is on cpu" in caplog.text
 
@@ -145,7 +147,7 @@ def test_auto_takes_the_torch_path_for_good_when_the_kernels_fail_to_build(
     with caplog.at_level(logging.INFO, logger="t5core.backend"):
         first, second = (module(*qkv, grid=GRID, text_tokens=TEXT) for _ in range(2))
     assert kernels_fail_to_build == ["triton"]  # tried once, then remembered
-    reference = _reference(module, *qkv)
+    reference = _torch_path(module, *qkv)
     assert torch.equal(first, reference) and torch.equal(second, reference)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "running the torch path for these calls from now on" in warnings[0].message

@@ -117,7 +117,7 @@ def test_failed_runs_keep_the_earlier_checkpoints(inputs, tmp_path):
     with pytest.raises(ValueError, match=r"trained with other settings: --training.seed 0 -> 1"):
         run(flags(inputs, out, "--training.seed", "1", "--training.steps", "3"))
     with pytest.raises(FileNotFoundError):
-        run(flags(inputs, out, base=inputs["root"] / "missing"))
+        run(flags(inputs, out, "--training.steps", "3", base=inputs["root"] / "missing"))
     after = {p.relative_to(out): p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
     assert after == before
 
@@ -146,10 +146,10 @@ def test_checkpoint_write_failure_keeps_earlier_checkpoints(tmp_path):
         world.close()
 
 
-def test_cli_reports_a_bad_input_and_exits_1(inputs, tmp_path, caplog):
+def test_cli_reports_a_bad_input_and_exits_2(inputs, tmp_path, capsys):
     from trainer.run import main
 
     code = main(["--model.base", str(inputs["root"] / "missing"), "--data.source", "cache", "--data.path", "x",
                  "--output.dir", str(tmp_path / "out")])  # fmt: skip
-    assert code == 1
-    assert "does not exist. Give --model.base" in caplog.text
+    assert code == 2
+    assert "does not exist. Give --model.base" in capsys.readouterr().err
