@@ -238,6 +238,11 @@ class OutputConfig:
     """Output folder: resolved config, metrics, checkpoints, the T5 weights file and the report."""
     name: str = "t5.safetensors"
     """File name of the exported T5 weights file."""
+    comfyui: str = ""
+    """A ComfyUI folder (the one holding `models/` or `main.py`): the run also writes the weights file
+    into its `models/t5_linearize/`, where the T5 Linearize node lists it, with its model card beside it
+    (`<name stem>.md`). A different file of the same name there is refused before training. Empty = only
+    `--output.dir`."""
     log_every: int = 1
     """Write a metrics line every this many steps."""
     progress: bool = True

@@ -5,27 +5,46 @@ takes part in gathering the full tensors it needs (the T5 parameters, the traine
 and the untrained parts that share an SD3 tensor with them, such as the rest of a fused qkv), and
 rank 0 writes the file through `t5core.weights.save`. Which inherited tensors go in, and their SD3
 names, come from `t5core.convert.base_sources` / `base_tensors`. DDP and one process take the same path.
+
+With `--output.comfyui`, `comfyui_target` checks the ComfyUI folder before training and
+`install_in_comfyui` copies the file and its model card into `models/t5_linearize/` after it, atomically.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from t5core.atomic import write_text_atomic
+from t5core.atomic import write_atomic, write_bytes_atomic, write_text_atomic
 from t5core.attention import T5Attention
 from t5core.convert import base_sources, base_tensors
 from t5core.hosts.diffusers import T5Handle
 from t5core.weights import save
+from trainer.config import OutputConfig
 from trainer.distributed import World
 from trainer.model import ParamSplit
+from trainer.model_card import RUN_CARD, card_name, sha256_file
 
-__all__ = ["export_weights", "t5_parameter_names", "write_report"]
+__all__ = [
+    "ComfyTarget",
+    "comfyui_target",
+    "export_weights",
+    "install_in_comfyui",
+    "t5_parameter_names",
+    "write_report",
+]
+
+COMFYUI_FOLDER = Path("models") / "t5_linearize"
+"""Where ComfyUI's T5 Linearize node lists weights files, relative to the ComfyUI folder."""
 
 logger = logging.getLogger(__name__)
 
@@ -103,3 +122,84 @@ def write_report(folder: str | Path, report: dict[str, Any]) -> tuple[Path, Path
     ):
         written.append(write_text_atomic(folder / name, text))
     return written[0], written[1]
+
+
+@dataclass(frozen=True, slots=True)
+class ComfyTarget:
+    """Where `--output.comfyui` puts the weights file and its card, and what was there before the run.
+
+    Attributes:
+        weights, card: the two files in `<ComfyUI>/models/t5_linearize/`.
+        found: sha256 of each file that existed when the run started (this run folder's own earlier
+            export, the only thing the run may replace), None for a file that did not exist.
+    """
+
+    weights: Path
+    card: Path
+    found: dict[Path, str | None]
+
+
+def _digest(path: Path) -> str | None:
+    return sha256_file(path) if path.is_file() else None
+
+
+def _taken(path: Path) -> FileExistsError:
+    return FileExistsError(
+        f"{path} already exists and is not this run's export; nothing was written there. Choose another "
+        "--output.name, or move that file away."
+    )
+
+
+def comfyui_target(output: OutputConfig) -> ComfyTarget | None:
+    """Check `--output.comfyui` before training: a ComfyUI folder, writable, its file name free.
+
+    A file of the same name may exist only as a copy of the export already in `--output.dir` (the same
+    run trained again); any other file there is refused, so an install never silently replaces a file.
+
+    Returns:
+        The target, or None when `--output.comfyui` is not set.
+
+    Raises:
+        ValueError: the folder is not a ComfyUI folder (it has neither `models/` nor `main.py`).
+        PermissionError: its `models/t5_linearize/` cannot be written.
+        FileExistsError: a different file of the same name is already there.
+    """
+    if not output.comfyui:
+        return None
+    root = Path(output.comfyui).expanduser()
+    if not ((root / "models").is_dir() or (root / "main.py").is_file()):
+        raise ValueError(
+            f"--output.comfyui {root} is not a ComfyUI folder (no models/ or main.py); give the folder that "
+            "holds ComfyUI's models/."
+        )
+    folder = root / COMFYUI_FOLDER
+    existing = next(path for path in (folder, folder.parent, root) if path.is_dir())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"--output.comfyui: {existing} is not writable, so {folder} cannot receive the weights file. Fix its "
+            "permissions or give another ComfyUI folder."
+        )
+    run_folder = Path(output.dir).expanduser()
+    target = ComfyTarget(folder / output.name, folder / card_name(output.name), {})
+    for path, own in ((target.weights, run_folder / output.name), (target.card, run_folder / RUN_CARD)):
+        found = _digest(path)
+        if found is not None and found != _digest(own):
+            raise _taken(path)
+        target.found[path] = found
+    return target
+
+
+def install_in_comfyui(target: ComfyTarget, weights: Path, card: str) -> None:
+    """Copy the exported weights file and write its card into ComfyUI's folder, each atomically.
+
+    Raises:
+        FileExistsError: a different file of the same name appeared there during the run.
+    """
+    card_bytes = card.encode("utf-8")
+    new = {target.weights: sha256_file(weights), target.card: hashlib.sha256(card_bytes).hexdigest()}
+    for path, digest in new.items():
+        if _digest(path) not in (target.found[path], digest):
+            raise _taken(path)
+    write_atomic(target.weights, lambda temp: shutil.copyfile(weights, temp))
+    write_bytes_atomic(target.card, card_bytes)
+    logger.info("Export: installed %s and %s for ComfyUI", target.weights, target.card.name)

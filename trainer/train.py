@@ -11,12 +11,15 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
 
+from t5core.atomic import write_text_atomic
 from t5core.hosts.diffusers import T5Handle
 from trainer.checkpoint import CheckpointManager
 from trainer.cli import config_from_toml_text, config_to_toml, save_config
@@ -24,12 +27,13 @@ from trainer.config import TrainConfig
 from trainer.data import BatchPlan, Source, ToySource
 from trainer.distributed import World, init_world, rank_seed, seed_everything
 from trainer.evaluate import evaluate_toy
-from trainer.export import export_weights, write_report
+from trainer.export import ComfyTarget, comfyui_target, export_weights, install_in_comfyui, write_report
 from trainer.loop import TrainParts, train_loop
 from trainer.losses import AttentionCapture
 from trainer.memory import MemoryPlan, ParamCounts, RunShape, plan_memory, suggest
 from trainer.metrics import MetricsWriter
 from trainer.model import ParamSplit, build_student, find_pipeline_folder, load_base, make_teacher, split_parameters
+from trainer.model_card import RUN_CARD, base_digests, model_card
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import apply_activation_checkpointing, apply_ddp, apply_fsdp, store_frozen_in
 
@@ -37,6 +41,7 @@ __all__ = ["RunAlreadyFinished", "RunResult", "run"]
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 TOY_IMAGE_SIZE = 32
 """The toy's image side when `--data.resolution` is 0 (`trainer.toy.data.IMAGE_SIZE`)."""
 REAL_RESOLUTION = 1024
@@ -94,6 +99,25 @@ def _prepare_output(folder: Path, world: World) -> None:
             f"output folder {folder} is not writable ({error or 'failed on rank 0'}). Choose another --output.dir "
             "or fix its permissions; nothing in it was changed."
         )
+
+
+def _on_main(world: World, work: Callable[[], T]) -> T | None:
+    """Do file work on rank 0 only (other nodes may not see the folder); its error is raised on every rank.
+
+    Returns:
+        What `work` returned on rank 0, None on other ranks.
+    """
+    result, error = None, None
+    if world.is_main:
+        try:
+            result = work()
+        except (OSError, ValueError) as caught:
+            error = caught
+    box = [error]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise box[0]
+    return result
 
 
 class RunAlreadyFinished(Exception):
@@ -229,6 +253,17 @@ def _plan(
     return memory
 
 
+def _publish(config: TrainConfig, report: dict[str, object], weights: Path, comfyui: ComfyTarget | None) -> None:
+    """Write the report and the model card beside the weights, and install both in ComfyUI when asked."""
+    output = weights.parent
+    report = {**report, "base_sha256": base_digests(config.model.base)}
+    write_report(output, report)
+    card = model_card(config, report, weights_name=weights.name)
+    write_text_atomic(output / RUN_CARD, card)
+    if comfyui is not None:
+        install_in_comfyui(comfyui, weights, card)
+
+
 def run(config: TrainConfig) -> RunResult:
     """Fine-tune, checkpoint and export as `config` says; one process or one rank of a torchrun world.
 
@@ -250,6 +285,7 @@ def run(config: TrainConfig) -> RunResult:
 
 def _run(config: TrainConfig, world: World) -> RunResult:
     output = Path(config.output.dir).expanduser()
+    comfyui = _on_main(world, lambda: comfyui_target(config.output))
     _prepare_output(output, world)
     # The same seed on every rank while building: new T5 parameters start identical everywhere
     # (FSDP2, unlike DDP, does not broadcast rank 0's initial values).
@@ -356,24 +392,22 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     if config.model.base == "toy":
         sharded = config.parallel.mode == "fsdp2"
         toy_eval = evaluate_toy(handle.model, output, world, samples=config.output.toy_eval_samples, sharded=sharded)
-    if world.is_main:
-        write_report(
-            output,
-            {
-                "step": result.step,
-                "stop_reason": result.stop_reason,
-                "loop_seconds": round(result.seconds, 2),
-                "processes": world.world_size,
-                "parallel": config.parallel.mode,
-                "weights": str(weights),
-                "config": str(output / "config.toml"),
-                "metrics": str(metrics.path),
-                "last_step": result.last,
-                "memory_plan_gib": {k: round(v, 3) for k, v in memory.components.items()},
-                "parameters": {"new": len(split.new), "inherited": len(split.inherited), "frozen": len(split.frozen)},
-                **({"toy_eval": toy_eval} if toy_eval else {}),
-            },
-        )
+    report = {
+        "step": result.step,
+        "stop_reason": result.stop_reason,
+        "loop_seconds": round(result.seconds, 2),
+        "processes": world.world_size,
+        "parallel": config.parallel.mode,
+        "weights": str(weights),
+        "config": str(output / "config.toml"),
+        "metrics": str(metrics.path),
+        "last_step": result.last,
+        "memory_plan_gib": {k: round(v, 3) for k, v in memory.components.items()},
+        "parameters": {"new": len(split.new), "inherited": len(split.inherited), "frozen": len(split.frozen)},
+        "converted_layers": list(handle.modules),
+        **({"toy_eval": toy_eval} if toy_eval else {}),
+    }
+    _on_main(world, lambda: _publish(config, report, weights, comfyui))
     # Leave together: a rank that tears down its process group while rank 0 still writes can abort gloo.
     world.barrier()
     return RunResult(output, weights, result.step, result.stop_reason, result.last, result.seconds, handle)

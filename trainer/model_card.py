@@ -1,0 +1,221 @@
+"""The model card of an exported T5 weights file: what it was made from, how, how well, and how to use it.
+
+`model_card` is a pure function of the resolved config and the run report (the dict of `report.json`);
+`base_digests` hashes the base model's files, so the card pins the exact base the weights belong to.
+The card is `README.md` in `<output.dir>` (a run folder holds one weights file, and model hubs show
+that name) and `<stem>.md` beside the file in ComfyUI's `models/t5_linearize/` (`card_name`), where
+several weights files share one folder and the node lists only `.safetensors` files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from trainer.cli import config_to_toml
+from trainer.config import TrainConfig
+from trainer.model import _transformer_folder
+
+__all__ = ["RUN_CARD", "base_digests", "card_name", "model_card", "sha256_file"]
+
+RUN_CARD = "README.md"
+"""The card's name in `<output.dir>`."""
+_CHUNK = 1 << 24
+_STOPS = {"steps": "`--training.steps` reached", "time": "`--training.max_minutes` spent"}
+
+
+def card_name(weights_name: str) -> str:
+    """The card's name beside the weights file in a shared folder: `t5_large.safetensors` -> `t5_large.md`."""
+    return f"{Path(weights_name).stem}.md"
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 16 MiB chunks (what `sha256sum` prints)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def base_digests(base: str) -> dict[str, str]:
+    """File name -> sha256 of the files holding the base model's weights, as `--model.base` resolves.
+
+    Args:
+        base: `toy` (the shipped toy teacher file), a single-file checkpoint, or a diffusers pipeline or
+            transformer folder (its transformer's `.safetensors` / `.bin` weight files, names relative to it).
+
+    Returns:
+        The digests in file-name order.
+    """
+    if base == "toy":
+        from trainer.toy.model import WEIGHTS_FILE
+
+        files = {WEIGHTS_FILE.name: WEIGHTS_FILE}
+    else:
+        path = Path(base).expanduser()
+        if path.is_file():
+            files = {path.name: path}
+        else:
+            folder, subfolder = _transformer_folder(path)
+            weights = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
+            files = {"/".join(filter(None, (subfolder, p.name))): p for p in weights}
+    return {name: sha256_file(file) for name, file in sorted(files.items())}
+
+
+def _value(value: object) -> str:
+    return "`none`" if value is None else f"`{str(value).lower() if isinstance(value, bool) else value}`"
+
+
+def _rows(pairs: list[tuple[str, object]]) -> list[str]:
+    return ["| setting | value |", "|---|---|", *(f"| {name} | {_value(value)} |" for name, value in pairs)]
+
+
+def _base_section(config: TrainConfig, report: Mapping[str, Any]) -> list[str]:
+    what = "the built-in toy SD3.5-Medium-like model" if config.model.base == "toy" else f"`{config.model.base}`"
+    lines = ["## Base model", "", f"Trained from {what} (`--model.base {config.model.base}`).", ""]
+    digests = report.get("base_sha256") or {}
+    if digests:
+        lines += ["| base file | sha256 |", "|---|---|", *(f"| `{name}` | `{sha}` |" for name, sha in digests.items())]
+    if report.get("parameters", {}).get("inherited"):
+        lines += [
+            "",
+            "The file also holds fine-tuned copies of inherited weights (`base.*`, `--model.trainable "
+            f"{config.model.trainable}`), which replace the base model's own: use it with exactly this base model.",
+        ]
+    return lines
+
+
+def _conversion_section(config: TrainConfig, report: Mapping[str, Any]) -> list[str]:
+    layers = list(report.get("converted_layers", []))
+    model = config.model
+    return [
+        "## Conversion",
+        "",
+        *_rows(
+            [
+                ("layer spec (`--model.layers`)", model.layers),
+                ("variant", model.variant),
+                ("key-norm eps", model.key_norm_eps),
+                ("locality convs", model.locality),
+            ]
+        ),
+        "",
+        f"Converted attention modules ({len(layers)}): {', '.join(f'`{name}`' for name in layers) or 'none'}.",
+    ]
+
+
+def _recipe_section(config: TrainConfig, report: Mapping[str, Any]) -> list[str]:
+    optim, training, loss = config.optim, config.training, config.loss
+    pairs: list[tuple[str, object]] = [
+        ("trainable", config.model.trainable),
+        ("data", config.data.source),
+        ("lr of new T5 parameters", optim.lr * optim.new_lr_mult),
+        ("lr of inherited parameters", optim.lr * optim.inherited_lr_mult),
+        ("schedule", f"{optim.warmup_steps} warm-up steps, then {optim.schedule}"),
+        ("steps", training.steps),
+        ("global batch", training.batch_size),
+        ("precision", training.precision),
+        ("loss weights (flow, distill, feature)", f"{loss.flow_weight}, {loss.distill_weight}, {loss.feature_weight}"),
+        ("timestep shift", loss.shift),
+        ("processes", f"{report.get('processes', 1)} ({config.parallel.mode})"),
+    ]
+    return [
+        "## Recipe",
+        "",
+        *_rows(pairs),
+        "",
+        "<details><summary>The resolved config (<code>config.toml</code>)</summary>",
+        "",
+        "```toml",
+        config_to_toml(config).rstrip(),
+        "```",
+        "",
+        "</details>",
+    ]
+
+
+def _training_section(report: Mapping[str, Any]) -> list[str]:
+    stop = report.get("stop_reason", "")
+    lines = ["## Training", "", f"Trained to step {report.get('step')}; stopped: {_STOPS.get(stop, stop)}.", ""]
+    losses = {key: value for key, value in report.get("last_step", {}).items() if key.startswith("loss/")}
+    if losses:
+        lines += ["Losses of the last step:", "", *(f"* `{key}`: {value:.4f}" for key, value in losses.items())]
+    return lines
+
+
+def _validation_section(report: Mapping[str, Any]) -> list[str]:
+    lines = ["## Validation", ""]
+    toy = report.get("toy_eval")
+    if not toy:
+        return [*lines, "None ran in this run (ToyEval runs for the toy only); compare samples with the base model."]
+    lines += [
+        "ToyEval of the softmax teacher and the trained T5 student, same captions and noise (higher is better; "
+        "val loss and distance lower):",
+        "",
+        "| model | ToyEval overall | color | shape | position | size | val loss | dist. to teacher |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, key, distance in (("softmax teacher", "teacher", 0.0), ("T5", "student", toy["teacher_distance"])):
+        score = toy[key]["toyeval"]
+        cells = [score[part] for part in ("overall", "color", "shape", "position", "size")]
+        lines.append(
+            f"| {name} | {' | '.join(f'{c:.3f}' for c in cells)} | {toy[key]['val_loss']:.4f} | {distance:.4f} |"
+        )
+    return lines
+
+
+def _usage_section(config: TrainConfig, report: Mapping[str, Any], weights_name: str) -> list[str]:
+    count = len(report.get("converted_layers", []))
+    lines = [
+        "## Use in ComfyUI",
+        "",
+        f"1. Put `{weights_name}` into `ComfyUI/models/t5_linearize/` (this card may go beside it as "
+        f"`{card_name(weights_name)}`).",
+        "2. Load the base model above with ComfyUI's own loader, connect its MODEL to the **T5 Linearize** node "
+        f"(category T5) and pick `{weights_name}` as `weights`.",
+        f"3. `layers`: empty converts all {count} modules of the file; a subset of them (a layer spec such as "
+        "`joint:0-3` or `blocks.2.attn`, comma separated) trades speed for quality. `enabled` off gives the "
+        "original model back.",
+        "",
+        "The file must match its base model: the node refuses a file made for another architecture, and the "
+        "weights are only trained for the base model hashed above.",
+        "",
+        "This file has nothing to do with the `t5xxl` text encoder: T5 names the test-time-training attention "
+        "here. SD3 still loads its T5-XXL text encoder (`models/text_encoders/`) as usual.",
+    ]
+    if config.model.base == "toy":
+        lines += ["", "The toy model samples with `ModelSamplingSD3` shift 1.0 and its own captions; see docs/toy.md."]
+    return lines
+
+
+def model_card(config: TrainConfig, report: Mapping[str, Any], *, weights_name: str) -> str:
+    """The markdown model card of a run's weights file.
+
+    Args:
+        config: the run's resolved config.
+        report: the run report (`report.json`): `step`, `stop_reason`, `last_step`, `processes`,
+            `parameters`, and when present `converted_layers`, `base_sha256` and `toy_eval`.
+        weights_name: the weights file's name (`--output.name`).
+
+    Returns:
+        The card text, ending in a newline.
+    """
+    title = [
+        f"# T5 attention weights: `{weights_name}`",
+        "",
+        "Trained T5 (linear-time test-time-training) attention for an SD3-family model, made by "
+        "`trainer/run.py` of T5 Linearize (arXiv 2605.02772). Load it with the T5 Linearize node.",
+    ]
+    sections = (
+        title,
+        _base_section(config, report),
+        _conversion_section(config, report),
+        _recipe_section(config, report),
+        _training_section(report),
+        _validation_section(report),
+        _usage_section(config, report, weights_name),
+    )
+    return "\n\n".join("\n".join(section) for section in sections) + "\n"
