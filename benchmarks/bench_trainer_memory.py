@@ -22,7 +22,7 @@ import torch
 from benchmarks.timing import header_line, write_json
 from t5core.hosts.diffusers import linearize
 from trainer.config import ModelConfig, OptimConfig
-from trainer.memory import ParamCounts, RunShape, plan_memory
+from trainer.memory import ParamCounts, RunShape, count_parameters, plan_memory
 from trainer.model import CONFIGS_DIR, split_parameters
 
 logger = logging.getLogger(__name__)
@@ -46,13 +46,8 @@ def _counts(model, trainable: str) -> tuple[ParamCounts, ParamCounts]:
     """Counts for the T5 fine-tune (`paper` layers) and for the same fine-tune without the T5 parameters."""
     handle = linearize(model, layers="paper")
     split = split_parameters(handle, ModelConfig(trainable=trainable), OptimConfig())
+    counts = count_parameters(handle, split)
     params = dict(handle.model.named_parameters())
-    counts = ParamCounts(
-        trained=sum(params[n].numel() for n in split.new + split.inherited),
-        frozen=sum(params[n].numel() for n in split.frozen),
-        buffers=sum(b.numel() for b in handle.model.buffers()),
-        largest_block=max(sum(p.numel() for p in b.parameters()) for b in handle.model.transformer_blocks),
-    )
     new = sum(params[n].numel() for n in split.new)
     handle.remove()
     return counts, dataclasses.replace(counts, trained=counts.trained - new)

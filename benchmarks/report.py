@@ -234,6 +234,23 @@ def _memory(result: Result) -> list[str]:
     return [intro, "", *_table(header, rows), "", note]
 
 
+def _memory_check(result: Result) -> list[str]:
+    meta = result["meta"]
+    trained = meta["counts"]["trained"] / 1e6
+    intro = (
+        f"The memory plan against a measured training step: SD3.5 Medium's real architecture (random weights), "
+        f"{meta['resolution']} px, batch 1, `paper` layers, `attention` trainable ({trained:.0f}M parameters), "
+        f"bf16, one CPU process; peak resident memory above the {meta['baseline_gib']:.2f} GiB baseline of a "
+        "fresh process, the plan without its GPU runtime margin. The bar: within 15%."
+    )
+    rows = [
+        [row["phase"], f"{row['plan_gib']:.2f}", f"{row['measured_gib']:.2f}", f"{row['ratio']:.3f}"]
+        + ["yes" if row["within_tolerance"] else "NO"]
+        for row in result["rows"]
+    ]
+    return [intro, "", *_table(["phase", "plan GiB", "measured GiB", "plan / measured", "within 15%"], rows)]
+
+
 def _ablations(result: Result) -> list[str]:
     # `benchmarks/ablations.py` stores its summary (mean ± sd over seeds) with the rows: a header
     # line, a description line, a blank line, then the table.
@@ -264,6 +281,12 @@ SECTIONS: tuple[tuple[str, str, str, Renderer], ...] = (
     ("bench_toy_speed.json", "Toy sampling speed", "python -m benchmarks.bench_toy_speed", _toy_speed),
     ("trainer_throughput.json", "Trainer throughput", "python -m benchmarks.bench_trainer_throughput", _throughput),
     ("trainer_memory.json", "Trainer memory plan", "python -m benchmarks.bench_trainer_memory", _memory),
+    (
+        "memory_plan_check.json",
+        "Memory plan vs a measured step",
+        "python -m benchmarks.bench_memory_plan",
+        _memory_check,
+    ),
     ("ablations*.json", "Toy ablations", "python -m benchmarks.ablations", _ablations),
 )
 

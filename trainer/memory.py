@@ -1,18 +1,47 @@
-"""Memory planning: the estimated memory per GPU of a run, checked before training starts.
+"""Run planning: the estimated memory per GPU of a run, checked before training starts, and its time.
 
-The estimate adds up, per rank: trained weights with their fp32 master copy, gradient and two AdamW
-moments (16 bytes per parameter; divided by the world size under FSDP2), frozen weights (bf16 under
-bf16 precision with DDP, sharded fp32 under FSDP2), buffers, the optional frozen teacher, the
-unsharded blocks FSDP2 holds while computing, activations, and a fixed runtime margin. It is an
-estimate for planning, not a measurement: benchmarks/bench_trainer_memory.py prints it for SD3.5.
+The memory estimate adds up, per rank: trained weights with their fp32 master copy, gradient and two
+AdamW moments (16 bytes per parameter; divided by the world size under FSDP2), frozen weights (bf16
+under bf16 precision with DDP, sharded fp32 under FSDP2), buffers, the optional frozen teacher, the
+unsharded blocks FSDP2 holds while computing, activations or, when larger, the AdamW step's scratch,
+and a fixed runtime margin. Loading is a second peak: the trainer moves the fp32 model to the device
+before it casts or shards, so the plan is the larger of the two. The SD3.5 Medium figures were checked
+against a measured CPU training step (benchmarks/bench_memory_plan.py; within 2% at 256 px).
+
+The time estimate counts the matmul and attention FLOPs of a step and divides by a GPU's dense bf16
+peak at an assumed utilisation: a planning figure, never a measurement.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-__all__ = ["MemoryPlan", "ParamCounts", "RunShape", "plan_memory", "suggest"]
+if TYPE_CHECKING:
+    from t5core.config import BaseArch
+    from t5core.hosts.diffusers import T5Handle
+    from trainer.config import TrainConfig
+    from trainer.model import ParamSplit
+
+__all__ = [
+    "GPUS",
+    "GpuSpec",
+    "MemoryPlan",
+    "ParamCounts",
+    "RunShape",
+    "TimeEstimate",
+    "check_plan",
+    "count_parameters",
+    "estimate_time",
+    "find_gpu",
+    "plan_memory",
+    "run_shape",
+    "step_flops",
+    "suggest",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +53,10 @@ BLOCK_ACTIVATION_WIDTHS = 24
 modulated inputs, q, k, v, attention output and its projection (7), the residual sums (2), the
 image-only attn2 branch (5), the MLP input, its 4x hidden GELU pre- and post-activation (1 + 8) and
 output (1). Rounded to 24; the T5 inner state (H x D x D per sample) is negligible beside it."""
+ADAMW_SCRATCH_BYTES = 4
+"""Per trained parameter: the temporary tensor list of the foreach AdamW step (measured on CPU: 0.8 GiB
+beyond weights, gradients and moments for SD3.5 Medium's 218M attention parameters). It exists after
+backward, when the activations are gone, so the plan counts whichever of the two is larger."""
 FSDP_PREFETCH_BLOCKS = 2
 """FSDP2 holds the block being computed plus the next one being gathered."""
 RUNTIME_MARGIN_GIB = 2.0
@@ -40,28 +73,164 @@ class ParamCounts:
     largest_block: int
 
 
+def count_parameters(handle: T5Handle, split: ParamSplit) -> ParamCounts:
+    """The `ParamCounts` of a converted model whose parameters `split_parameters` has assigned roles.
+
+    Args:
+        handle (`T5Handle`): the converted model (a real one, or one built on the meta device).
+        split (`ParamSplit`): the parameter names by role.
+    """
+    params = dict(handle.model.named_parameters())
+    return ParamCounts(
+        trained=sum(params[n].numel() for n in split.new + split.inherited),
+        frozen=sum(params[n].numel() for n in split.frozen),
+        buffers=sum(b.numel() for b in handle.model.buffers()),
+        largest_block=max(sum(p.numel() for p in block.parameters()) for block in handle.model.transformer_blocks),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class RunShape:
-    """What the activations depend on: batch per rank, tokens and the model's width and depth."""
+    """What activations and FLOPs depend on: batch per rank, tokens, the model's width and depth, and
+    how many attention modules of each kind stay softmax (their cost grows with tokens squared)."""
 
     batch_per_rank: int
     image_tokens: int
     text_tokens: int
     hidden: int
     depth: int
+    image_only_blocks: int = 0
+    softmax_joint: int = 0
+    softmax_image_only: int = 0
+
+
+def run_shape(
+    arch: BaseArch, converted: list[str], *, batch_per_rank: int, image_tokens: int, text_tokens: int
+) -> RunShape:
+    """The `RunShape` of a converted model.
+
+    Args:
+        arch (`BaseArch`): the base model's shape.
+        converted (`list[str]`): the converted modules, named as `T5Handle.modules` names them (`blocks.3.attn2`).
+        batch_per_rank (`int`): samples per rank. image_tokens, text_tokens (`int`): tokens per sample.
+    """
+    image_only = len(arch.dual_attention_layers)
+    converted_image_only = sum(name.endswith(".attn2") for name in converted)
+    return RunShape(
+        batch_per_rank=batch_per_rank,
+        image_tokens=image_tokens,
+        text_tokens=text_tokens,
+        hidden=arch.hidden,
+        depth=arch.depth,
+        image_only_blocks=image_only,
+        softmax_joint=arch.depth - (len(converted) - converted_image_only),
+        softmax_image_only=image_only - converted_image_only,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSpec:
+    """A GPU the time estimate knows: memory as torch reports it, dense bf16 tensor-core peak."""
+
+    name: str
+    memory_gib: float
+    bf16_tflops: float
+
+
+GPUS = (
+    GpuSpec("RTX 4090", 23.6, 165.0),
+    GpuSpec("H100 80GB", 79.1, 989.0),
+    GpuSpec("A100 80GB", 79.1, 312.0),
+    GpuSpec("H20", 94.0, 148.0),
+    GpuSpec("H200", 139.8, 989.0),
+)
+"""Vendor datasheet peaks (dense, no sparsity). Without a device name (planning with
+`--parallel.gpu_memory_gib` on another machine) the first card with at least the budget stands in."""
+ASSUMED_UTILISATION = 0.35
+"""Fraction of the bf16 peak a fine-tune reaches (an assumption for the estimate, not a measurement)."""
+
+
+def find_gpu(device_name: str | None, budget_gib: float | None) -> GpuSpec | None:
+    """The `GPUS` entry named in `device_name`, else the first with at least `budget_gib`; None if neither."""
+    if device_name:
+        named = [gpu for gpu in GPUS if gpu.name.split()[0].lower() in device_name.lower()]
+        return max(named, key=lambda gpu: len(gpu.name), default=None)
+    if budget_gib is None:
+        return None
+    return next((gpu for gpu in GPUS if gpu.memory_gib >= budget_gib), None)
+
+
+def step_flops(shape: RunShape, *, trained_fraction: float, gradient_checkpointing: bool) -> float:
+    """Estimated FLOPs of one training step on one rank.
+
+    Per token, a joint block's image and text streams each run 12 hidden^2 weights (q, k, v, output,
+    4x MLP) and an image-only block 4 more on image tokens; each softmax module adds 4 * tokens^2 *
+    hidden. Backward computes input gradients everywhere (one more forward) and weight gradients for the
+    trained fraction; softmax attention's backward is twice its forward; checkpointing adds a forward.
+    T5 modules cost linear time like the projections, small beside them, and are left out.
+    """
+    h, b = shape.hidden, shape.batch_per_rank
+    tokens = shape.image_tokens + shape.text_tokens
+    linear = 2 * b * h * h * (12 * shape.depth * tokens + 4 * shape.image_only_blocks * shape.image_tokens)
+    attention = 4 * b * h * (shape.softmax_joint * tokens**2 + shape.softmax_image_only * shape.image_tokens**2)
+    recompute = 1 if gradient_checkpointing else 0
+    return linear * (2 + trained_fraction + recompute) + attention * (3 + recompute)
+
+
+@dataclass(frozen=True, slots=True)
+class TimeEstimate:
+    """An estimated run time: FLOPs per step on one rank over an assumed share of a GPU's peak."""
+
+    gpu: GpuSpec
+    flops_per_step: float
+    steps: int
+    max_minutes: float = 0.0
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.flops_per_step / (self.gpu.bf16_tflops * 1e12 * ASSUMED_UTILISATION)
+
+    @property
+    def capped(self) -> bool:
+        """Whether `--training.max_minutes` ends the run before its last step."""
+        return bool(self.max_minutes) and self.steps * self.seconds_per_step > self.max_minutes * 60
+
+    @property
+    def hours(self) -> float:
+        return self.max_minutes / 60 if self.capped else self.steps * self.seconds_per_step / 3600
+
+    def summary(self) -> str:
+        capped = " (stopped by --training.max_minutes)" if self.capped else ""
+        return (
+            f"estimated time {self.hours:.1f} h{capped}: {self.steps} steps x {self.seconds_per_step:.2f} s "
+            f"({self.flops_per_step / 1e12:.1f} TFLOP per step per GPU on an {self.gpu.name}, "
+            f"{self.gpu.bf16_tflops:g} TFLOPS bf16 at an assumed {ASSUMED_UTILISATION:.0%} utilisation; an estimate)"
+        )
+
+
+def estimate_time(
+    counts: ParamCounts, shape: RunShape, *, gpu: GpuSpec, gradient_checkpointing: bool, steps: int, max_minutes: float
+) -> TimeEstimate:
+    """The `TimeEstimate` of `steps` optimizer steps (stopping early at `max_minutes` when it is set)."""
+    fraction = counts.trained / max(counts.trained + counts.frozen, 1)
+    flops = step_flops(shape, trained_fraction=fraction, gradient_checkpointing=gradient_checkpointing)
+    return TimeEstimate(gpu, flops, steps, max_minutes)
 
 
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
-    """Estimated GiB per rank by component; `fits` compares the total with `budget_gib`."""
+    """Estimated GiB per rank: the training peak by component and the loading peak; `fits` checks
+    the larger against `budget_gib`."""
 
     components: dict[str, float]
     budget_gib: float | None
     settings: dict[str, object] = field(default_factory=dict)
+    load_gib: float = 0.0
+    time: TimeEstimate | None = None
 
     @property
     def total_gib(self) -> float:
-        return sum(self.components.values())
+        return max(sum(self.components.values()), self.load_gib)
 
     @property
     def fits(self) -> bool:
@@ -70,7 +239,11 @@ class MemoryPlan:
     def summary(self) -> str:
         parts = ", ".join(f"{name} {gib:.2f}" for name, gib in self.components.items() if gib > 0)
         budget = "no GPU budget to check" if self.budget_gib is None else f"budget {self.budget_gib:.1f} GiB"
-        return f"{self.total_gib:.2f} GiB per GPU ({parts}); {budget}"
+        text = (
+            f"{self.total_gib:.2f} GiB per GPU (training {sum(self.components.values()):.2f}: {parts}; "
+            f"loading {self.load_gib:.2f}); {budget}"
+        )
+        return text if self.time is None else f"{text}; {self.time.summary()}"
 
 
 def plan_memory(
@@ -100,11 +273,12 @@ def plan_memory(
     low = 2 if precision == "bf16" else 4
     shards = world_size if mode == "fsdp2" else 1
     frozen_bytes = 4 if mode == "fsdp2" else low
+    teacher = teacher_params * (4 if mode == "fsdp2" else low) / shards / GIB
     components = {
         "trained weights+grads+AdamW": counts.trained * TRAINED_BYTES / shards / GIB,
         "frozen weights": counts.frozen * frozen_bytes / shards / GIB,
         "buffers": counts.buffers * 4 / GIB,
-        "teacher": teacher_params * (4 if mode == "fsdp2" else low) / shards / GIB,
+        "teacher": teacher,
         "FSDP2 gathered blocks": (FSDP_PREFETCH_BLOCKS * counts.largest_block * low / GIB) if mode == "fsdp2" else 0.0,
     }
     tokens = shape.batch_per_rank * (shape.image_tokens + shape.text_tokens)
@@ -115,11 +289,15 @@ def plan_memory(
     else:
         activations = shape.depth * per_block
     components["activations"] = activations / GIB
+    scratch = counts.trained * ADAMW_SCRATCH_BYTES / shards
+    components["AdamW step scratch beyond activations"] = max(scratch - activations, 0) / GIB
     components["runtime margin"] = runtime_margin_gib
+    # The trainer moves the whole fp32 student (and the teacher) to the device before casting or sharding.
+    load = ((counts.trained + counts.frozen + counts.buffers) * 4 + teacher_params * low) / GIB + runtime_margin_gib
     settings = dict(
         mode=mode, world_size=world_size, precision=precision, gradient_checkpointing=gradient_checkpointing
     )
-    return MemoryPlan(components, budget_gib, settings)
+    return MemoryPlan(components, budget_gib, settings, load_gib=load)
 
 
 def suggest(
@@ -151,4 +329,68 @@ def suggest(
         plan = plan_memory(counts, shape, **{**base, **change}, teacher_params=teacher_params, budget_gib=budget_gib)
         if plan.fits:
             found.append(f"{flags} (about {plan.total_gib:.1f} GiB)")
+    if shape.batch_per_rank > 1:
+        smaller = dataclasses.replace(shape, batch_per_rank=1)
+        plan = plan_memory(counts, smaller, **base, teacher_params=teacher_params, budget_gib=budget_gib)
+        if plan.fits:
+            found.append(f"--training.batch_size {world_size} (1 per GPU; about {plan.total_gib:.1f} GiB)")
     return found
+
+
+def check_plan(
+    config: TrainConfig,
+    counts: ParamCounts,
+    shape: RunShape,
+    *,
+    world_size: int,
+    budget_gib: float | None,
+    device_name: str | None,
+    teacher_params: int = 0,
+) -> MemoryPlan:
+    """Plan memory and time of a run as `config` says, and refuse one that does not fit.
+
+    Args:
+        config (`TrainConfig`): the run's settings (precision, checkpointing, parallel mode, steps).
+        counts (`ParamCounts`), shape (`RunShape`): the converted model and the largest batch.
+        world_size (`int`): processes. budget_gib (`float`, *optional*): memory per GPU; None = no check
+            and no runtime margin (a CPU run). device_name (`str`, *optional*): the GPU, for the time estimate.
+        teacher_params (`int`, *optional*): parameters of the frozen teacher.
+
+    Raises:
+        RuntimeError: the plan does not fit; the message lists flag changes that would, or says that none does.
+    """
+    settings = dict(
+        mode=config.parallel.mode,
+        world_size=world_size,
+        precision=config.training.precision,
+        gradient_checkpointing=config.training.gradient_checkpointing,
+        teacher_params=teacher_params,
+    )
+    margin = {} if budget_gib is not None else {"runtime_margin_gib": 0.0}
+    plan = plan_memory(counts, shape, **settings, budget_gib=budget_gib, **margin)
+    gpu = find_gpu(device_name, budget_gib)
+    if gpu is not None:
+        time = estimate_time(
+            counts,
+            shape,
+            gpu=gpu,
+            gradient_checkpointing=config.training.gradient_checkpointing,
+            steps=config.training.steps,
+            max_minutes=config.training.max_minutes,
+        )
+        plan = dataclasses.replace(plan, time=time)
+    if plan.fits:
+        return plan
+    if plan.load_gib > budget_gib:
+        hint = (
+            f"no flag lowers loading, which needs {plan.load_gib:.1f} GiB: the trainer moves the fp32 model to "
+            f"the GPU before it casts frozen weights to bf16 or shards them (training alone would need "
+            f"{sum(plan.components.values()):.1f} GiB). Use a GPU with at least {math.ceil(plan.load_gib)} GiB"
+        )
+    else:
+        fixes = suggest(counts, shape, **settings, budget_gib=budget_gib)
+        hint = "; ".join(fixes) if fixes else "train fewer weights (--model.trainable t5)"
+    raise RuntimeError(
+        f"the run needs about {plan.total_gib:.1f} GiB per GPU but has {budget_gib:.1f} GiB ({plan.summary()}). "
+        f"Try: {hint}."
+    )
