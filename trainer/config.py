@@ -25,6 +25,13 @@ __all__ = [
     "TrainingConfig",
 ]
 
+COMFYUI_CHECKPOINTS = "models/checkpoints"
+"""Where a ComfyUI install keeps checkpoints (relative to `--model.comfyui`)."""
+COMFYUI_TEXT_ENCODERS = "models/text_encoders"
+"""Where a ComfyUI install keeps text encoder files (relative to `--model.comfyui`)."""
+COMFYUI_DEFAULT_CHECKPOINT = "sd3.5_medium.safetensors"
+"""The checkpoint the shipped workflows load; `--model.comfyui` uses it when `--model.base` is left at `toy`."""
+
 
 def _require(condition: bool, flag: str, message: str) -> None:
     if not condition:
@@ -37,10 +44,31 @@ class ModelConfig:
 
     base: str = "toy"
     """`toy` (the built-in toy SD3.5 model), a diffusers folder (a pipeline folder with `transformer/`,
-    or a transformer folder with `config.json`), or a single-file SD3 / SD3.5 `.safetensors` checkpoint."""
+    or a transformer folder with `config.json`), a single-file SD3 / SD3.5 `.safetensors` checkpoint (with or
+    without bundled text encoders, as ComfyUI loads them), or a Hugging Face Hub repo id such as
+    `stabilityai/stable-diffusion-3.5-medium` (downloaded once into the Hugging Face cache: HF_HOME, HF_TOKEN
+    for gated repos, HF_HUB_OFFLINE=1 to use only the cache). With `--model.comfyui`, a bare file name is a
+    checkpoint in its `models/checkpoints/`."""
     config: str = ""
-    """For a single-file base only: a local folder with the transformer's `config.json`. Empty picks the
-    shipped SD3 Medium / SD3.5 Medium / SD3.5 Large config that matches the checkpoint."""
+    """For a single-file base only: a local folder with the transformer's `config.json`, or a diffusers
+    pipeline folder (its `transformer/`, `vae/`, `text_encoder*/`, `scheduler/` configs and `tokenizer*/`
+    are used). Empty picks the shipped SD3 Medium / SD3.5 Medium / SD3.5 Large config that matches the
+    checkpoint, and the shipped VAE and text encoder configs."""
+    comfyui: str = ""
+    """A ComfyUI folder (the one holding `models/` and `comfy/`) to take a single-file base from: the
+    checkpoint from `models/checkpoints/` (`--model.base` left at `toy` means `sd3.5_medium.safetensors`,
+    the shipped workflows' name), text encoders the checkpoint does not bundle from `models/text_encoders/`
+    by the workflows' names (`clip_l`, `clip_g`, `t5xxl_fp16` or else `t5xxl_fp8_e4m3fn`), and the CLIP and
+    T5 tokenizers from `comfy/`."""
+    clip_l: str = ""
+    """CLIP-L text encoder file for a single-file base (empty = bundled in the checkpoint, or found through
+    `--model.comfyui`); with `--model.comfyui`, a bare name is a file in its `models/text_encoders/`."""
+    clip_g: str = ""
+    """CLIP-G text encoder file, as `--model.clip_l`."""
+    t5xxl: str = ""
+    """T5-XXL text encoder file, as `--model.clip_l`; fp8 files (`t5xxl_fp8_e4m3fn`) are upcast."""
+    revision: str = ""
+    """For a Hub repo id: the branch, tag or commit to use (empty = `main`)."""
     layers: str = "paper"
     """Layer spec: `paper`, `all`, `joint:18-23,attn2:0-12` or module names like `blocks.3.attn`."""
     variant: Variant = "swiglu"
@@ -58,11 +86,24 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.base), "model.base", "give `toy`, a diffusers folder or a .safetensors checkpoint.")
+        if self.comfyui:
+            self._resolve_comfyui_names()
         _require(
             self.key_norm_eps is None or self.key_norm_eps > 0,
             "model.key_norm_eps",
             f"must be positive or `none`; got {self.key_norm_eps}.",
         )
+
+    def _resolve_comfyui_names(self) -> None:
+        """Bare file names become paths in the ComfyUI folder (a string rule: files are checked when loading)."""
+        root = self.comfyui.rstrip("/")
+        base = COMFYUI_DEFAULT_CHECKPOINT if self.base == "toy" else self.base
+        if "/" not in base:
+            self.base = f"{root}/{COMFYUI_CHECKPOINTS}/{base}"
+        for name in ("clip_l", "clip_g", "t5xxl"):
+            value = getattr(self, name)
+            if value and "/" not in value:
+                setattr(self, name, f"{root}/{COMFYUI_TEXT_ENCODERS}/{value}")
 
 
 @dataclass(kw_only=True, slots=True)

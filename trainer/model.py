@@ -1,8 +1,9 @@
 """The model step of the recipe: load the softmax base, keep a frozen teacher, convert, choose what trains.
 
-Base models load offline: a diffusers folder (pipeline or transformer), a single-file SD3 / SD3.5
-checkpoint with a local config (the three shipped in `trainer/configs` or `--model.config`), or the
-built-in toy. The conversion is `t5core.hosts.diffusers.linearize`, as a user would call it.
+Base models load from local files: a diffusers folder (pipeline or transformer), a single-file SD3 /
+SD3.5 checkpoint with a local config (the three shipped in `trainer/configs` or `--model.config`), the
+built-in toy, or a Hub repo fetched into the Hugging Face cache (`trainer.sources` resolves which).
+The conversion is `t5core.hosts.diffusers.linearize`, as a user would call it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from t5core.hosts.diffusers import T5Handle, arch_of, linearize
 from trainer.config import ModelConfig, OptimConfig
+from trainer.sources import PipelineFiles, find_text_parts, local_base
 
 __all__ = ["ParamSplit", "build_student", "find_pipeline_folder", "load_base", "make_teacher", "split_parameters"]
 
@@ -90,7 +92,8 @@ def load_base(config: ModelConfig) -> nn.Module:
     """Load the softmax base transformer (fp32, eval mode, on CPU), offline.
 
     Raises:
-        FileNotFoundError: the base or its config does not exist.
+        FileNotFoundError: the base or its config does not exist (a Hub repo: not in the offline cache).
+        PermissionError: a gated Hub repo without a token.
         ValueError: the base is not an SD3-family model, or a checkpoint format that would need pickle.
     """
     if config.base == "toy":
@@ -99,12 +102,7 @@ def load_base(config: ModelConfig) -> nn.Module:
         return load_toy_base().requires_grad_(True)
     from diffusers import SD3Transformer2DModel
 
-    path = Path(config.base).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"base model {path} does not exist. Give --model.base a diffusers folder, a single-file SD3 / "
-            "SD3.5 .safetensors checkpoint, or `toy`."
-        )
+    path = local_base(config)
     if path.is_dir():
         folder, subfolder = _transformer_folder(path)
         _check_class(folder / "config.json")
@@ -134,19 +132,13 @@ def load_base(config: ModelConfig) -> nn.Module:
     return model.eval()
 
 
-def find_pipeline_folder(model: ModelConfig, pipeline: str) -> Path:
-    """The diffusers pipeline folder whose VAE and text encoders encode data.
+def find_pipeline_folder(model: ModelConfig, pipeline: str) -> PipelineFiles:
+    """The files whose VAE and text encoders encode data: `--data.pipeline`, else the base's own.
 
     Raises:
-        FileNotFoundError: neither `--data.pipeline` nor `--model.base` is a pipeline folder.
+        FileNotFoundError: no pipeline folder, or a single-file base whose text encoders or tokenizers are missing.
     """
-    candidate = Path(pipeline or model.base).expanduser()
-    if (candidate / "model_index.json").is_file():
-        return candidate
-    raise FileNotFoundError(
-        f"{candidate} is not a diffusers pipeline folder (no model_index.json); encoding images or prompts "
-        "needs the model's VAE and text encoders. Pass --data.pipeline with an SD3 pipeline folder."
-    )
+    return find_text_parts(model, pipeline)
 
 
 def make_teacher(base: nn.Module, *, dtype: torch.dtype) -> nn.Module:

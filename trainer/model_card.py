@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from trainer.cli import config_to_toml
-from trainer.config import TrainConfig
+from trainer.config import ModelConfig, TrainConfig
 from trainer.model import _transformer_folder
+from trainer.sources import local_base
 
 __all__ = ["RUN_CARD", "base_digests", "card_name", "model_card", "sha256_file"]
 
@@ -40,22 +41,23 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def base_digests(base: str) -> dict[str, str]:
+def base_digests(config: ModelConfig) -> dict[str, str]:
     """File name -> sha256 of the files holding the base model's weights, as `--model.base` resolves.
 
     Args:
-        base: `toy` (the shipped toy teacher file), a single-file checkpoint, or a diffusers pipeline or
-            transformer folder (its transformer's `.safetensors` / `.bin` weight files, names relative to it).
+        config: the model section. Its base is `toy` (the shipped toy teacher file), a single-file
+            checkpoint, a diffusers pipeline or transformer folder (its transformer's `.safetensors` /
+            `.bin` weight files, names relative to it), or a Hub repo id (the files in the local cache).
 
     Returns:
         The digests in file-name order.
     """
-    if base == "toy":
+    if config.base == "toy":
         from trainer.toy.model import WEIGHTS_FILE
 
         files = {WEIGHTS_FILE.name: WEIGHTS_FILE}
     else:
-        path = Path(base).expanduser()
+        path = local_base(config)
         if path.is_file():
             files = {path.name: path}
         else:

@@ -23,6 +23,7 @@ from trainer.cache import MANIFEST, UNCOND, shard_name, write_manifest, write_te
 from trainer.config import DataConfig
 from trainer.data import Batch
 from trainer.distributed import World, derived_seed
+from trainer.sources import PipelineFiles
 
 __all__ = ["IMAGE_SUFFIXES", "bucket_sizes", "nearest_bucket", "prepare_images", "prepare_prompts"]
 
@@ -69,16 +70,23 @@ class _Item:
     size: tuple[int, int]
 
 
-def _load_pipeline(folder: Path, transformer: nn.Module, world: World):
-    """The SD3 pipeline of `folder` around our transformer; components the folder leaves out stay None."""
+def _load_pipeline(files: Path | PipelineFiles, transformer: nn.Module, world: World):
+    """The SD3 pipeline around our transformer: a diffusers folder (components it leaves out stay None) or
+    the parts of a single-file checkpoint."""
     from diffusers import StableDiffusion3Pipeline
 
-    index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
-    absent = {name: None for name, value in index.items() if isinstance(value, list) and value[0] is None}
+    from trainer.single_file import load_single_file_pipeline
+
+    files = files if isinstance(files, PipelineFiles) else PipelineFiles(folder=files)
     dtype = torch.bfloat16 if world.device.type == "cuda" else torch.float32
-    pipe = StableDiffusion3Pipeline.from_pretrained(
-        str(folder), transformer=transformer, local_files_only=True, dtype=dtype, **absent
-    )
+    if files.folder is None:
+        pipe = load_single_file_pipeline(files, transformer, dtype=dtype)
+    else:
+        index = json.loads((files.folder / "model_index.json").read_text(encoding="utf-8"))
+        absent = {name: None for name, value in index.items() if isinstance(value, list) and value[0] is None}
+        pipe = StableDiffusion3Pipeline.from_pretrained(
+            str(files.folder), transformer=transformer, local_files_only=True, dtype=dtype, **absent
+        )
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(world.device)
 
@@ -216,7 +224,7 @@ def prepare_images(
     folder: Path,
     cache_dir: Path,
     *,
-    pipeline: Path,
+    pipeline: Path | PipelineFiles,
     transformer: nn.Module,
     data: DataConfig,
     resolution: int,
@@ -275,7 +283,7 @@ def prepare_prompts(
     prompts_file: Path,
     cache_dir: Path,
     *,
-    pipeline: Path,
+    pipeline: Path | PipelineFiles,
     transformer: nn.Module,
     data: DataConfig,
     resolution: int,

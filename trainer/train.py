@@ -30,7 +30,7 @@ from trainer.evaluate import evaluate_toy
 from trainer.export import ComfyTarget, comfyui_target, export_weights, install_in_comfyui, write_report
 from trainer.loop import TrainParts, train_loop
 from trainer.losses import AttentionCapture
-from trainer.memory import MemoryPlan, ParamCounts, RunShape, plan_memory, suggest
+from trainer.memory import MemoryPlan, check_plan, count_parameters, run_shape
 from trainer.metrics import MetricsWriter
 from trainer.model import ParamSplit, build_student, find_pipeline_folder, load_base, make_teacher, split_parameters
 from trainer.model_card import RUN_CARD, base_digests, model_card
@@ -198,16 +198,6 @@ def _build_source(config: TrainConfig, base: nn.Module, world: World, output: Pa
     return CacheSource(cache_dir)
 
 
-def _counts(handle: T5Handle, split: ParamSplit) -> ParamCounts:
-    params = dict(handle.model.named_parameters())
-    return ParamCounts(
-        trained=sum(params[n].numel() for n in split.new + split.inherited),
-        frozen=sum(params[n].numel() for n in split.frozen),
-        buffers=sum(b.numel() for b in handle.model.buffers()),
-        largest_block=max(sum(p.numel() for p in block.parameters()) for block in handle.model.transformer_blocks),
-    )
-
-
 def _plan(
     config: TrainConfig,
     handle: T5Handle,
@@ -220,43 +210,34 @@ def _plan(
     patch = handle.model.config.patch_size
     latent_h, latent_w = max(plan.buckets, key=lambda hw: hw[0] * hw[1])
     sample = source.load([plan.buckets[(latent_h, latent_w)][0]])
-    shape = RunShape(
+    shape = run_shape(
+        handle.arch,
+        list(handle.modules),
         batch_per_rank=config.training.batch_size // world.world_size,
         image_tokens=(latent_h // patch) * (latent_w // patch),
         text_tokens=sample.context.shape[1],
-        hidden=handle.arch.hidden,
-        depth=handle.arch.depth,
     )
     budget = config.parallel.gpu_memory_gib or None
-    if budget is None and world.device.type == "cuda":
+    device_name = torch.cuda.get_device_name(world.device) if world.device.type == "cuda" else None
+    if budget is None and device_name is not None:
         budget = torch.cuda.get_device_properties(world.device).total_memory / 1024**3
-    settings = dict(
-        mode=config.parallel.mode,
+    memory = check_plan(
+        config,
+        count_parameters(handle, split),
+        shape,
         world_size=world.world_size,
-        precision=config.training.precision,
-        gradient_checkpointing=config.training.gradient_checkpointing,
+        budget_gib=budget,
+        device_name=device_name,
         teacher_params=sum(p.numel() for p in teacher.parameters()) if teacher is not None else 0,
     )
-    counts = _counts(handle, split)
-    margin = {} if budget is not None else {"runtime_margin_gib": 0.0}
-    memory = plan_memory(counts, shape, **settings, budget_gib=budget, **margin)
     logger.info("Memory plan: %s", memory.summary())
-    if not memory.fits:
-        fixes = suggest(counts, shape, **settings, budget_gib=budget)
-        hint = (
-            "; ".join(fixes) if fixes else "train fewer weights (--model.trainable t5) or lower --training.batch_size"
-        )
-        raise RuntimeError(
-            f"the run needs about {memory.total_gib:.1f} GiB per GPU but has {budget:.1f} GiB "
-            f"({memory.summary()}). Try: {hint}."
-        )
     return memory
 
 
 def _publish(config: TrainConfig, report: dict[str, object], weights: Path, comfyui: ComfyTarget | None) -> None:
     """Write the report and the model card beside the weights, and install both in ComfyUI when asked."""
     output = weights.parent
-    report = {**report, "base_sha256": base_digests(config.model.base)}
+    report = {**report, "base_sha256": base_digests(config.model)}
     write_report(output, report)
     card = model_card(config, report, weights_name=weights.name)
     write_text_atomic(output / RUN_CARD, card)

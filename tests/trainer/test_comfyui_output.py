@@ -12,6 +12,7 @@ import pytest
 from testing.trainer_assets import write_base, write_cache
 from tests.trainer.test_run_cli import _argv as cli_argv
 from trainer.cli import parse_args
+from trainer.config import ModelConfig
 from trainer.model_card import base_digests, card_name, model_card
 from trainer.run import main
 from trainer.toy.model import WEIGHTS_FILE
@@ -149,15 +150,15 @@ def test_the_toy_card_has_the_toyeval_table():
 
 
 def test_base_digests_hash_the_files_the_base_is_loaded_from(inputs, tmp_path):
-    assert base_digests("toy") == {WEIGHTS_FILE.name: _sha(WEIGHTS_FILE.read_bytes())}
+    assert base_digests(ModelConfig(base="toy")) == {WEIGHTS_FILE.name: _sha(WEIGHTS_FILE.read_bytes())}
     weights = inputs["base"] / "diffusion_pytorch_model.safetensors"
-    assert base_digests(str(inputs["base"])) == {weights.name: _sha(weights.read_bytes())}
+    assert base_digests(ModelConfig(base=str(inputs["base"]))) == {weights.name: _sha(weights.read_bytes())}
     pipeline = tmp_path / "pipeline"
     (pipeline / "transformer").mkdir(parents=True)
     for name in ("config.json", weights.name):
         (pipeline / "transformer" / name).write_bytes((inputs["base"] / name).read_bytes())
-    assert base_digests(str(pipeline)) == {f"transformer/{weights.name}": _sha(weights.read_bytes())}
-    assert base_digests(str(weights)) == {weights.name: _sha(weights.read_bytes())}
+    assert base_digests(ModelConfig(base=str(pipeline))) == {f"transformer/{weights.name}": _sha(weights.read_bytes())}
+    assert base_digests(ModelConfig(base=str(weights))) == {weights.name: _sha(weights.read_bytes())}
 
 
 def test_card_names_do_not_collide_in_a_shared_folder():

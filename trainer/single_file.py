@@ -1,0 +1,139 @@
+"""An SD3 pipeline from ComfyUI's single files: the checkpoint's VAE, and CLIP-L / CLIP-G / T5-XXL encoders
+bundled in it or in their own files, built with diffusers and transformers classes from local configs.
+
+Text encoder files use transformers' key names (`text_model.*`, `encoder.*`, `shared.weight`); bundled
+ones carry the `text_encoders.<name>.transformer.` prefix. fp8 files (`t5xxl_fp8_e4m3fn`) are upcast.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainer.sources import TEXT_ENCODERS, PipelineFiles, bundled_prefix
+
+__all__ = ["load_single_file_pipeline", "load_text_encoder"]
+
+logger = logging.getLogger(__name__)
+
+_SUBFOLDERS = {"clip_l": "text_encoder", "clip_g": "text_encoder_2", "t5xxl": "text_encoder_3"}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Buffers and extras some exporters save that the transformers models do not hold as weights.
+_IGNORED = ("text_model.embeddings.position_ids", "logit_scale")
+
+
+def _read_encoder(path: Path, role: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The encoder's tensors with transformers' key names, in `dtype` (fp8 upcast).
+
+    Raises:
+        ValueError: a scaled-fp8 file (its weights need per-tensor scales we do not apply).
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        keys = list(handle.keys())
+        prefix = bundled_prefix(role) if any(k.startswith(bundled_prefix(role)) for k in keys) else ""
+        if not prefix and ("scaled_fp8" in keys or any(k.endswith(".scale_weight") for k in keys)):
+            raise ValueError(
+                f"{path.name} is a scaled-fp8 {role} file, which needs ComfyUI's own scaling. Use the fp16 file "
+                "(t5xxl_fp16.safetensors) or the plain fp8 one (t5xxl_fp8_e4m3fn.safetensors)."
+            )
+        state = {
+            key.removeprefix(prefix): handle.get_tensor(key)
+            for key in keys
+            if key.startswith(prefix) and key.removeprefix(prefix) not in _IGNORED
+        }
+    if any(tensor.dtype in _FP8 for tensor in state.values()):
+        logger.info("Model: %s holds fp8 %s weights; upcasting them to %s", path.name, role, dtype)
+    return {key: tensor.to(dtype) for key, tensor in state.items()}
+
+
+def load_text_encoder(path: Path, role: str, *, configs: Path, dtype: torch.dtype) -> nn.Module:
+    """One SD3 text encoder from a single file, with transformers' model class.
+
+    CLIP-L's pooled output is not projected in SD3 (the reference and ComfyUI skip its projection), so its
+    projection is the identity, as diffusers' single-file loader sets it.
+
+    Args:
+        path (`Path`):
+            A ComfyUI text encoder file, or a checkpoint with the encoder bundled.
+        role (`str`):
+            `clip_l`, `clip_g` or `t5xxl`.
+        configs (`Path`):
+            Folder with `text_encoder/`, `text_encoder_2/` and `text_encoder_3/` transformers configs.
+        dtype (`torch.dtype`):
+            Weight dtype.
+
+    Returns:
+        `CLIPTextModelWithProjection` or `T5EncoderModel`, in eval mode.
+
+    Raises:
+        ValueError: the file lacks weights the model needs (names a few), or is scaled fp8.
+    """
+    from transformers import AutoConfig, CLIPTextModelWithProjection, T5EncoderModel
+
+    config = AutoConfig.from_pretrained(configs / _SUBFOLDERS[role], local_files_only=True)
+    state = _read_encoder(path, role, dtype)
+    if role == "clip_l":
+        state["text_projection.weight"] = torch.eye(config.projection_dim, config.hidden_size, dtype=dtype)
+    cls = T5EncoderModel if role == "t5xxl" else CLIPTextModelWithProjection
+    model, info = cls.from_pretrained(None, config=config, state_dict=state, dtype=dtype, output_loading_info=True)
+    missing = sorted(info["missing_keys"])
+    if missing:
+        raise ValueError(
+            f"{path.name}: the {role} text encoder lacks {len(missing)} weights ({', '.join(missing[:3])}, ...) of "
+            f"the model in {configs / _SUBFOLDERS[role]}. Give a {role} file in transformers' key layout (as "
+            "ComfyUI's text_encoders files are), or the matching --model.config."
+        )
+    return model.eval()
+
+
+def _tokenizers(files: PipelineFiles):
+    from transformers import CLIPTokenizer, T5TokenizerFast
+
+    clip_l, clip_g, t5 = files.tokenizers
+    # SD3 reads 77 CLIP tokens (ComfyUI's tokenizer config says 8192); CLIP-G pads with "!" as in SD3.
+    return (
+        CLIPTokenizer.from_pretrained(clip_l, model_max_length=77, local_files_only=True),
+        CLIPTokenizer.from_pretrained(clip_g, model_max_length=77, pad_token="!", local_files_only=True),
+        T5TokenizerFast.from_pretrained(t5, local_files_only=True),
+    )
+
+
+def load_single_file_pipeline(files: PipelineFiles, transformer: nn.Module, *, dtype: torch.dtype):
+    """A `StableDiffusion3Pipeline` around `transformer` from a single-file checkpoint and its text encoders.
+
+    Args:
+        files (`PipelineFiles`):
+            The checkpoint (its VAE under `first_stage_model.*`), text encoder files, configs and tokenizers.
+        transformer (`nn.Module`):
+            The SD3 transformer, already loaded.
+        dtype (`torch.dtype`):
+            Dtype of the VAE and the text encoders.
+
+    Returns:
+        The pipeline, on CPU.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    vae = AutoencoderKL.from_single_file(
+        str(files.checkpoint), config=str(files.configs), subfolder="vae", local_files_only=True, torch_dtype=dtype
+    )
+    encoders = [
+        load_text_encoder(files.encoders[role], role, configs=files.configs, dtype=dtype) for role in TEXT_ENCODERS
+    ]
+    tokenizers = _tokenizers(files)
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(files.configs, subfolder="scheduler"),
+        vae=vae.eval(),
+        text_encoder=encoders[0],
+        tokenizer=tokenizers[0],
+        text_encoder_2=encoders[1],
+        tokenizer_2=tokenizers[1],
+        text_encoder_3=encoders[2],
+        tokenizer_3=tokenizers[2],
+    )
