@@ -127,8 +127,9 @@ def _t5_encoder(seed: int, vocab_size: int):
     return T5EncoderModel(config).eval()
 
 
-def write_pipeline(folder: Path, seed: int = 0, *, t5: bool = False) -> Path:
-    """A full, tiny `StableDiffusion3Pipeline` folder: the tiny transformer, a tiny 16-channel VAE
+def write_pipeline(folder: Path, seed: int = 0, *, t5: bool = False, preset: str = TRAINER_PRESET) -> Path:
+    """A full, tiny `StableDiffusion3Pipeline` folder: the tiny transformer (`preset` of
+    `testing.models`; `comfy_sd35_medium_like` is one ComfyUI can load), a tiny 16-channel VAE
     (2x downsampling), two tiny CLIP text encoders with their tokenizers (CLIP-L's projection is the
     identity, as SD3 uses it) and, with `t5`, a tiny T5 encoder (width 32) and tokenizer."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
@@ -154,7 +155,7 @@ def write_pipeline(folder: Path, seed: int = 0, *, t5: bool = False) -> Path:
     with torch.no_grad():
         clip_l.text_projection.weight.copy_(torch.eye(*clip_l.text_projection.weight.shape))
     pipe = StableDiffusion3Pipeline(
-        transformer=trainer_transformer(seed),
+        transformer=tiny_transformer(preset, seed, all_random=True),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         vae=vae,
         text_encoder=clip_l,
@@ -206,9 +207,9 @@ def _ldm_vae_state(vae: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def write_comfyui(
-    root: Path, *, bundled: bool, seed: int = 0, t5_dtype: torch.dtype = torch.float32
+    root: Path, *, bundled: bool, seed: int = 0, t5_dtype: torch.dtype = torch.float32, preset: str = TRAINER_PRESET
 ) -> dict[str, Path]:
-    """The tiny SD3 model (with T5) as a ComfyUI install's files, beside the same model as a diffusers folder.
+    """The tiny SD3 model (`preset`, with T5) as a ComfyUI install's files, beside the same model as a diffusers folder.
 
     Writes `root/ComfyUI/models/checkpoints/sd3.5_medium.safetensors` (transformer under
     `model.diffusion_model.*` in SD3 names, VAE under `first_stage_model.*` in LDM names and, when `bundled`,
@@ -227,13 +228,13 @@ def write_comfyui(
     from t5core.hosts.diffusers import arch_of
     from t5core.sd3_keys import diffusers_to_sd3
 
-    reference = write_pipeline(root / "reference", seed, t5=True)
+    reference = write_pipeline(root / "reference", seed, t5=True, preset=preset)
     configs = root / "configs"
     shutil.copytree(reference, configs, ignore=shutil.ignore_patterns("tokenizer*", "*.safetensors"))
     comfyui = root / "ComfyUI"
     shutil.copytree(reference / "tokenizer", comfyui / "comfy" / "sd1_tokenizer")
     shutil.copytree(reference / "tokenizer_3", comfyui / "comfy" / "text_encoders" / "t5_tokenizer")
-    transformer = trainer_transformer(seed)
+    transformer = tiny_transformer(preset, seed, all_random=True)
     state = {
         f"model.diffusion_model.{k}": v
         for k, v in diffusers_to_sd3(transformer.state_dict(), arch_of(transformer)).items()

@@ -112,11 +112,12 @@ class DataConfig:
 
     source: Literal["toy", "cache", "images", "prompts"] = "toy"
     """`toy` = the toy's procedural captioned shapes, made on the fly; `images` = a folder of images with
-    `.txt` captions, encoded once with the base pipeline's VAE and text encoders; `prompts` = a text
-    file of prompts, one a line, from which the frozen softmax model generates latents; `cache` = a
-    folder written earlier by `images` or `prompts`."""
+    `.txt` captions, encoded once with the base pipeline's VAE and text encoders; `prompts` = prompts
+    (a text file, one a line, or else the shipped default set) from which the frozen softmax model
+    generates latents; `cache` = a folder written earlier by `images` or `prompts`."""
     path: str = ""
-    """The image folder, prompts file or cache folder (not used by `toy`)."""
+    """The image folder, prompts file or cache folder (not used by `toy`); empty with `prompts` = the shipped
+    default prompt set (`trainer.prompt_set`, 3000 prompts)."""
     cache_dir: str = ""
     """Where `images` / `prompts` write their cache; empty means `<output.dir>/data-cache`."""
     resolution: int = 0
@@ -136,6 +137,8 @@ class DataConfig:
     toy_samples: int = 100_000
     """Number of distinct samples of the `toy` source (the default is more than a default run draws, so
     every batch is fresh, as in the teacher's pretraining; a few hundred make a run cycle and overfit)."""
+    prompt_limit: int = 0
+    """`prompts` source: use only the first this many prompts (0 = all), for a quicker, smaller cache."""
     generate_steps: int = 28
     """`prompts` source: sampling steps of the frozen softmax model."""
     guidance_scale: float = 4.5
@@ -144,13 +147,16 @@ class DataConfig:
     """`images` / `prompts`: T5 text tokens (SD3 uses 77 CLIP + this many T5 tokens)."""
 
     def __post_init__(self) -> None:
-        _require(self.source == "toy" or bool(self.path), "data.path", f"source {self.source!r} needs a path.")
+        _require(
+            self.source in ("toy", "prompts") or bool(self.path), "data.path", f"source {self.source!r} needs a path."
+        )
         _require(
             self.resolution >= 0 and self.resolution % 16 == 0, "data.resolution", "must be a multiple of 16 (or 0)."
         )
         _require(0 <= self.caption_dropout < 1, "data.caption_dropout", "must be in [0, 1).")
         _require(self.shard_size >= 1, "data.shard_size", "must be at least 1.")
         _require(self.toy_samples >= 1, "data.toy_samples", "must be at least 1.")
+        _require(self.prompt_limit >= 0, "data.prompt_limit", "must not be negative (0 = every prompt).")
         _require(self.generate_steps >= 1, "data.generate_steps", "must be at least 1.")
         _require(self.max_sequence_length >= 1, "data.max_sequence_length", "must be at least 1.")
 
@@ -284,6 +290,13 @@ class OutputConfig:
     into its `models/t5_linearize/`, where the T5 Linearize node lists it, with its model card beside it
     (`<name stem>.md`). A different file of the same name there is refused before training. Empty = only
     `--output.dir`."""
+    push_to_hub: str = ""
+    """A Hugging Face Hub model repo (`namespace/name`; a bare name goes under the token's user): after the
+    run, the weights file and its model card (as `README.md`) are uploaded there in one commit, creating the
+    repo when missing. Needs a write token (`hf auth login` or HF_TOKEN), checked before training;
+    HF_ENDPOINT picks another Hub. Empty = no upload."""
+    hub_private: bool = False
+    """With `--output.push_to_hub`: create the repo private (an existing repo keeps its visibility)."""
     log_every: int = 1
     """Write a metrics line every this many steps."""
     progress: bool = True
@@ -297,6 +310,9 @@ class OutputConfig:
         _require(self.name.endswith(".safetensors"), "output.name", f"must end in .safetensors; got {self.name!r}.")
         _require(self.log_every >= 1, "output.log_every", "must be at least 1.")
         _require(self.toy_eval_samples >= 0, "output.toy_eval_samples", "must not be negative.")
+        _require(
+            bool(self.push_to_hub) or not self.hub_private, "output.hub_private", "needs --output.push_to_hub REPO."
+        )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -2,27 +2,34 @@
 
 `prepare_images` encodes a folder of images with `.txt` captions through the base pipeline's own VAE
 and text encoders; `prepare_prompts` lets the frozen softmax model generate the latents of each
-prompt (no images needed). Both sort inputs into aspect-ratio buckets, cut each bucket into shards
-of `--data.shard_size`, and have rank r encode shards r, r + N, ...; a shard already on disk is kept,
-so an interrupted preparation resumes. Unreadable images and missing captions are skipped and
-counted, never a crash mid-run; an empty input is an error.
+prompt (a prompts file or the shipped default set; no images needed). Both sort inputs into
+aspect-ratio buckets, cut each bucket into shards of `--data.shard_size`, and have rank r encode shards
+r, r + N, ...; rank 0 shows a progress bar with an ETA. A shard already on disk is kept, so an
+interrupted preparation resumes where it stopped; `plan.json` records what the shards hold, and a
+cache folder planned for other inputs or settings is refused rather than mixed. Unreadable images and
+missing captions are skipped and counted, never a crash mid-run; an empty input is an error.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
+from t5core.atomic import write_text_atomic
 from trainer.cache import MANIFEST, UNCOND, shard_name, write_manifest, write_tensors
 from trainer.config import DataConfig
 from trainer.data import Batch
 from trainer.distributed import World, derived_seed
+from trainer.prompt_set import default_prompts
 from trainer.sources import PipelineFiles
 
 __all__ = ["IMAGE_SUFFIXES", "bucket_sizes", "nearest_bucket", "prepare_images", "prepare_prompts"]
@@ -30,6 +37,7 @@ __all__ = ["IMAGE_SUFFIXES", "bucket_sizes", "nearest_bucket", "prepare_images",
 logger = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+PLAN = "plan.json"
 _SHOWN_SKIPS = 5
 
 
@@ -70,6 +78,11 @@ class _Item:
     size: tuple[int, int]
 
 
+def _pipeline_dtype(world: World) -> torch.dtype:
+    """The pipeline's weights: bf16 on a GPU, fp32 on CPU."""
+    return torch.bfloat16 if world.device.type == "cuda" else torch.float32
+
+
 def _load_pipeline(files: Path | PipelineFiles, transformer: nn.Module, world: World):
     """The SD3 pipeline around our transformer: a diffusers folder (components it leaves out stay None) or
     the parts of a single-file checkpoint."""
@@ -78,7 +91,7 @@ def _load_pipeline(files: Path | PipelineFiles, transformer: nn.Module, world: W
     from trainer.single_file import load_single_file_pipeline
 
     files = files if isinstance(files, PipelineFiles) else PipelineFiles(folder=files)
-    dtype = torch.bfloat16 if world.device.type == "cuda" else torch.float32
+    dtype = _pipeline_dtype(world)
     if files.folder is None:
         pipe = load_single_file_pipeline(files, transformer, dtype=dtype)
     else:
@@ -116,6 +129,49 @@ def _shards(items: list[_Item], shard_size: int) -> list[tuple[tuple[int, int], 
         for size, group in sorted(by_bucket.items())
         for i in range(0, len(group), shard_size)
     ]
+
+
+def _check_plan(cache_dir: Path, items: list[_Item], settings: dict[str, object], world: World) -> None:
+    """Record what the shards of `cache_dir` hold (rank 0, first run) and refuse a folder planned otherwise.
+
+    Raises:
+        ValueError: on every rank, when the folder's shards were planned for other inputs or settings.
+    """
+    listing = json.dumps([[item.key, item.caption, list(item.size)] for item in items])
+    plan = {**settings, "items": len(items), "sha256": hashlib.sha256(listing.encode()).hexdigest()}
+    path = cache_dir / PLAN
+    if world.is_main and not path.is_file():
+        write_text_atomic(path, json.dumps(plan, indent=1))
+    world.barrier()
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    if saved != plan:
+        differ = ", ".join(
+            f"{key} {saved.get(key)!r} -> {value!r}" for key, value in plan.items() if saved.get(key) != value
+        )
+        raise ValueError(
+            f"{cache_dir} holds an unfinished cache of other inputs or settings ({differ}); rerun with those, or "
+            "delete the folder or choose another --data.cache_dir to start over."
+        )
+
+
+def _pending(
+    cache_dir: Path, shards: list[tuple[tuple[int, int], list[_Item]]], world: World, *, unit: str, progress: bool
+) -> Iterator[tuple[int, tuple[int, int], list[_Item]]]:
+    """This rank's shards not yet on disk, as `(index, size, items)`, behind a rank-0 progress bar with an ETA."""
+    mine = [
+        (index, size, shard) for index, (size, shard) in enumerate(shards) if index % world.world_size == world.rank
+    ]
+    total = sum(len(shard) for *_, shard in mine)
+    done = sum(len(shard) for index, _, shard in mine if (cache_dir / shard_name(index)).is_file())
+    if done and world.is_main:
+        logger.info("Data: resuming; %d of this rank's %d %s are cached", done, total, unit)
+    enabled = progress and world.is_main
+    bar = tqdm(total=total, initial=done, unit=unit[:-1], desc="Data", disable=not enabled, dynamic_ncols=True)
+    with bar:
+        for index, size, shard in mine:
+            if not (cache_dir / shard_name(index)).is_file():
+                yield index, size, shard
+                bar.update(len(shard))
 
 
 def _finish(
@@ -229,8 +285,12 @@ def prepare_images(
     data: DataConfig,
     resolution: int,
     world: World,
+    progress: bool = True,
 ) -> Path:
     """Encode an image folder (captions in `name.txt` beside `name.png`) into a cache (collective).
+
+    Args:
+        progress (`bool`): show rank 0's progress bar. Default: `True`.
 
     Raises:
         FileNotFoundError: no such folder. ValueError: no images, or none usable.
@@ -243,11 +303,12 @@ def prepare_images(
     sizes = bucket_sizes(data.buckets, resolution, _pixel_multiple(pipe))
     items, skipped = _scan_images(folder, files, sizes)
     cache_dir.mkdir(parents=True, exist_ok=True)
+    settings = {"kind": "images", "shard_size": data.shard_size, "max_sequence_length": data.max_sequence_length}
+    _check_plan(cache_dir, items, settings, world)
     vae = pipe.vae
     shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
-    for index, (size, shard) in enumerate(_shards(items, data.shard_size)):
-        if index % world.world_size != world.rank or (cache_dir / shard_name(index)).is_file():
-            continue
+    shards = _shards(items, data.shard_size)
+    for index, size, shard in _pending(cache_dir, shards, world, unit="images", progress=progress):
         pixels, captions, failed = [], [], {}
         for item in shard:
             try:
@@ -280,7 +341,7 @@ def _read_prompts(path: Path) -> list[str]:
 
 @torch.no_grad()
 def prepare_prompts(
-    prompts_file: Path,
+    prompts_file: Path | None,
     cache_dir: Path,
     *,
     pipeline: Path | PipelineFiles,
@@ -288,26 +349,40 @@ def prepare_prompts(
     data: DataConfig,
     resolution: int,
     world: World,
+    progress: bool = True,
 ) -> Path:
     """Generate latents for each prompt with the frozen softmax model into a cache (collective).
 
     Prompt i goes to bucket i mod (number of buckets) and starts from noise seeded by its index, so
     the cache does not depend on the world size or on interruptions.
 
+    Args:
+        prompts_file (`Path`, *optional*): the prompts, one a line; None takes the shipped default set
+            (`trainer.prompt_set`). `data.prompt_limit` keeps the first prompts.
+        progress (`bool`): show rank 0's progress bar. Default: `True`.
+
     Raises:
-        FileNotFoundError: no such file. ValueError: no prompts.
+        FileNotFoundError: no such file. ValueError: no prompts, or a cache folder planned otherwise.
     """
     if (cache_dir / MANIFEST).is_file():
         logger.info("Data: using the finished cache %s", cache_dir)
         return cache_dir
-    prompts = _read_prompts(prompts_file)
+    prompts = _read_prompts(prompts_file) if prompts_file is not None else default_prompts()
+    prompts = prompts[: data.prompt_limit or None]
     pipe = _load_pipeline(pipeline, transformer, world)
     sizes = bucket_sizes(data.buckets, resolution, _pixel_multiple(pipe))
     items = [_Item(str(i), prompt, sizes[i % len(sizes)]) for i, prompt in enumerate(prompts)]
     cache_dir.mkdir(parents=True, exist_ok=True)
-    for index, (size, shard) in enumerate(_shards(items, data.shard_size)):
-        if index % world.world_size != world.rank or (cache_dir / shard_name(index)).is_file():
-            continue
+    settings = {
+        "kind": "prompts",
+        "shard_size": data.shard_size,
+        "max_sequence_length": data.max_sequence_length,
+        "generate_steps": data.generate_steps,
+        "guidance_scale": data.guidance_scale,
+    }
+    _check_plan(cache_dir, items, settings, world)
+    shards = _shards(items, data.shard_size)
+    for index, size, shard in _pending(cache_dir, shards, world, unit="prompts", progress=progress):
         captions = [item.caption for item in shard]
         embeds = pipe.encode_prompt(
             prompt=captions,
@@ -317,18 +392,21 @@ def prepare_prompts(
             max_sequence_length=data.max_sequence_length,
         )
         generators = [torch.Generator(world.device).manual_seed(derived_seed(0, "prompt", item.key)) for item in shard]
-        latents = pipe(
-            prompt_embeds=embeds[0],
-            negative_prompt_embeds=embeds[1],
-            pooled_prompt_embeds=embeds[2],
-            negative_pooled_prompt_embeds=embeds[3],
-            width=size[0],
-            height=size[1],
-            num_inference_steps=data.generate_steps,
-            guidance_scale=data.guidance_scale,
-            generator=generators,
-            output_type="latent",
-        ).images
+        # The transformer is the fp32 base the run trains; autocast runs it in the bf16 pipeline's dtype.
+        dtype = _pipeline_dtype(world)
+        with torch.autocast(world.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            latents = pipe(
+                prompt_embeds=embeds[0],
+                negative_prompt_embeds=embeds[1],
+                pooled_prompt_embeds=embeds[2],
+                negative_pooled_prompt_embeds=embeds[3],
+                width=size[0],
+                height=size[1],
+                num_inference_steps=data.generate_steps,
+                guidance_scale=data.guidance_scale,
+                generator=generators,
+                output_type="latent",
+            ).images
         batch = Batch(latents.float().cpu(), embeds[0].float().cpu(), embeds[2].float().cpu())
         _write_shard(cache_dir, index, batch, size, {})
         logger.debug("Data: generated shard %d (%d prompts at %dx%d)", index, len(shard), *size)

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(finished)
         return 0
-    except (FileNotFoundError, FileExistsError, PermissionError, ValueError, TypeError) as error:
+    except (OSError, ValueError, TypeError) as error:  # missing files, permissions, the Hub, settings
         return _fail(error)
     if rank == 0:
         print(_summary(result))

@@ -28,6 +28,7 @@ from trainer.data import BatchPlan, Source, ToySource
 from trainer.distributed import World, init_world, rank_seed, seed_everything
 from trainer.evaluate import evaluate_toy
 from trainer.export import ComfyTarget, comfyui_target, export_weights, install_in_comfyui, write_report
+from trainer.hub import HubTarget, hub_target, push_to_hub
 from trainer.loop import TrainParts, train_loop
 from trainer.losses import AttentionCapture
 from trainer.memory import MemoryPlan, check_plan, count_parameters, run_shape
@@ -193,7 +194,14 @@ def _build_source(config: TrainConfig, base: nn.Module, world: World, output: Pa
     resolution = data.resolution or REAL_RESOLUTION
     prepare = prepare_images if data.source == "images" else prepare_prompts
     prepare(
-        Path(data.path), cache_dir, pipeline=pipeline, transformer=base, data=data, resolution=resolution, world=world
+        Path(data.path) if data.path else None,
+        cache_dir,
+        pipeline=pipeline,
+        transformer=base,
+        data=data,
+        resolution=resolution,
+        world=world,
+        progress=config.output.progress,
     )
     return CacheSource(cache_dir)
 
@@ -234,8 +242,14 @@ def _plan(
     return memory
 
 
-def _publish(config: TrainConfig, report: dict[str, object], weights: Path, comfyui: ComfyTarget | None) -> None:
-    """Write the report and the model card beside the weights, and install both in ComfyUI when asked."""
+def _publish(
+    config: TrainConfig,
+    report: dict[str, object],
+    weights: Path,
+    comfyui: ComfyTarget | None,
+    hub: HubTarget | None,
+) -> None:
+    """Write the report and the model card beside the weights; install both in ComfyUI and upload them when asked."""
     output = weights.parent
     report = {**report, "base_sha256": base_digests(config.model)}
     write_report(output, report)
@@ -243,6 +257,8 @@ def _publish(config: TrainConfig, report: dict[str, object], weights: Path, comf
     write_text_atomic(output / RUN_CARD, card)
     if comfyui is not None:
         install_in_comfyui(comfyui, weights, card)
+    if hub is not None:
+        push_to_hub(hub, weights)
 
 
 def run(config: TrainConfig) -> RunResult:
@@ -252,6 +268,8 @@ def run(config: TrainConfig) -> RunResult:
         FileNotFoundError / ValueError / TypeError: a missing or unsuitable base, data or setting.
         PermissionError: the output folder is not writable.
         RuntimeError: the memory plan does not fit, or the machine cannot run a requested feature.
+        trainer.hub.HubError: `--output.push_to_hub` cannot reach the Hub, or the upload failed (the run's files
+            stay, and the message gives the command that retries the upload).
     """
     threads = torch.get_num_threads()
     if config.training.threads:
@@ -267,6 +285,7 @@ def run(config: TrainConfig) -> RunResult:
 def _run(config: TrainConfig, world: World) -> RunResult:
     output = Path(config.output.dir).expanduser()
     comfyui = _on_main(world, lambda: comfyui_target(config.output))
+    hub = _on_main(world, lambda: hub_target(config.output))
     _prepare_output(output, world)
     # The same seed on every rank while building: new T5 parameters start identical everywhere
     # (FSDP2, unlike DDP, does not broadcast rank 0's initial values).
@@ -388,7 +407,7 @@ def _run(config: TrainConfig, world: World) -> RunResult:
         "converted_layers": list(handle.modules),
         **({"toy_eval": toy_eval} if toy_eval else {}),
     }
-    _on_main(world, lambda: _publish(config, report, weights, comfyui))
+    _on_main(world, lambda: _publish(config, report, weights, comfyui, hub))
     # Leave together: a rank that tears down its process group while rank 0 still writes can abort gloo.
     world.barrier()
     return RunResult(output, weights, result.step, result.stop_reason, result.last, result.seconds, handle)

@@ -1,0 +1,137 @@
+"""The shipped default prompt set, and prompt generation that shows progress and resumes where it stopped.
+
+A whole run on the default set (no `--data.path`) from the tiny ComfyUI layout is
+`tests/trainer/test_walkthrough.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trainer.prepare as prepare_module
+from testing.trainer_assets import trainer_transformer, write_pipeline
+from tests.trainer.test_prepare import data_config
+from trainer.cache import CacheSource
+from trainer.cli import parse_args
+from trainer.config import DataConfig, ParallelConfig
+from trainer.distributed import init_world
+from trainer.prepare import prepare_prompts
+from trainer.prompt_set import DEFAULT_PROMPT_COUNT, default_prompts
+
+
+def test_default_set_is_a_few_thousand_distinct_prompts_in_a_fixed_order():
+    prompts = default_prompts()
+    assert len(prompts) == DEFAULT_PROMPT_COUNT >= 2000
+    assert len(set(prompts)) == len(prompts)
+    assert prompts == default_prompts()
+    assert default_prompts(10) == prompts[:10]
+    # Pinned: caches and recipes depend on the order; changing the word lists changes this line.
+    assert prompts[0] == "A photograph of a red fox in a misty pine forest, a close-up, soft morning light"
+
+
+def test_first_prompts_already_vary_in_every_part():
+    first = default_prompts(20)
+    subjects = {prompt.split(" in ")[0].split(" on ")[0] for prompt in first}
+    assert len(subjects) >= 15
+    assert len({prompt.rsplit(", ", 1)[-1] for prompt in first}) >= 8
+
+
+@pytest.mark.parametrize("count", [0, 10**9])
+def test_out_of_range_count_is_refused(count):
+    with pytest.raises(ValueError, match=r"the default prompt set holds 1 to \d+ prompts; asked for"):
+        default_prompts(count)
+
+
+def test_prompts_source_needs_no_path_but_images_still_do():
+    assert DataConfig(source="prompts").path == ""
+    with pytest.raises(ValueError, match=r"data.path: source 'images' needs a path"):
+        parse_args(["--model.base", "/m", "--data.source", "images"])
+    with pytest.raises(ValueError, match=r"data.prompt_limit: must not be negative"):
+        parse_args(["--model.base", "/m", "--data.source", "prompts", "--data.prompt_limit", "-1"])
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    return write_pipeline(tmp_path_factory.mktemp("pipeline") / "sd3")
+
+
+def _generate(pipeline, cache, *, prompts_file=None, progress=False, **changes):
+    """A prompts cache from the tiny pipeline on one CPU process: one prompt a shard, one sampling step."""
+    data = data_config(source="prompts", path=str(prompts_file or ""), shard_size=1, generate_steps=1, **changes)
+    world = init_world(ParallelConfig(device="cpu"))
+    try:
+        return prepare_prompts(
+            prompts_file, cache, pipeline=pipeline, transformer=trainer_transformer(), data=data, resolution=32,
+            world=world, progress=progress,
+        )  # fmt: skip
+    finally:
+        world.close()
+
+
+def _count(source: CacheSource) -> int:
+    return sum(len(indices) for indices in source.buckets().values())
+
+
+def test_empty_path_generates_the_first_prompts_of_the_default_set(pipeline, tmp_path):
+    default = CacheSource(_generate(pipeline, tmp_path / "default", prompt_limit=3))
+    assert _count(default) == 3
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(default_prompts(5)), encoding="utf-8")
+    from_file = CacheSource(_generate(pipeline, tmp_path / "file", prompts_file=prompts, prompt_limit=3))
+    for index in range(3):
+        torch.testing.assert_close(from_file.load([index]).context, default.load([index]).context, rtol=0, atol=0)
+
+
+def test_interrupted_generation_resumes_where_it_stopped(pipeline, tmp_path, monkeypatch):
+    written = []
+    write_shard = prepare_module._write_shard
+
+    def fail_after_two(cache_dir, index, *args):
+        if len(written) == 2:
+            raise RuntimeError("interrupted")
+        written.append(index)
+        write_shard(cache_dir, index, *args)
+
+    monkeypatch.setattr(prepare_module, "_write_shard", fail_after_two)
+    cache = tmp_path / "cache"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _generate(pipeline, cache, prompt_limit=5)
+    first = {path.name: path.stat().st_mtime_ns for path in cache.glob("shard-*.safetensors")}
+    assert len(first) == 2 and not (cache / "manifest.json").exists()
+
+    written.clear()
+    monkeypatch.setattr(prepare_module, "_write_shard", lambda cache_dir, index, *args: (
+        written.append(index), write_shard(cache_dir, index, *args)
+    ))  # fmt: skip
+    resumed = CacheSource(_generate(pipeline, cache, prompt_limit=5))
+    assert len(written) == 3 and _count(resumed) == 5
+    assert {name: (cache / name).stat().st_mtime_ns for name in first} == first
+    whole = CacheSource(_generate(pipeline, tmp_path / "whole", prompt_limit=5))
+    for index in range(5):
+        torch.testing.assert_close(resumed.load([index]).latents, whole.load([index]).latents, rtol=0, atol=0)
+
+
+def test_unfinished_cache_of_other_prompts_is_refused(pipeline, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(prepare_module, "_finish", lambda *args, **kwargs: None)
+    _generate(pipeline, cache, prompt_limit=2)
+    with pytest.raises(
+        ValueError, match=r"unfinished cache of other inputs or settings \(items 2 -> 3.*--data.cache_dir"
+    ):
+        _generate(pipeline, cache, prompt_limit=3)
+
+
+def test_generation_shows_progress_with_an_eta_unless_disabled(pipeline, tmp_path, capsys):
+    _generate(pipeline, tmp_path / "shown", prompt_limit=2, progress=True)
+    shown = capsys.readouterr().err
+    assert "Data: 100%" in shown and "2/2" in shown and "prompt/s" in shown and "<00:00" in shown
+    _generate(pipeline, tmp_path / "quiet", prompt_limit=2, progress=False)
+    assert "Data:" not in capsys.readouterr().err
+
+
+def test_bf16_pipeline_generates_with_the_fp32_base(pipeline, tmp_path, monkeypatch):
+    # On a GPU the pipeline loads in bf16 while the base it is handed stays fp32 for training.
+    monkeypatch.setattr(prepare_module, "_pipeline_dtype", lambda world: torch.bfloat16)
+    cache = CacheSource(_generate(pipeline, tmp_path / "bf16", prompt_limit=1))
+    assert torch.isfinite(cache.load([0]).latents).all()
