@@ -18,6 +18,7 @@ from trainer.cli import config_to_toml
 from trainer.config import ModelConfig, TrainConfig
 from trainer.model import _transformer_folder
 from trainer.sources import local_base
+from trainer.toy.report import comparison_table
 
 __all__ = ["RUN_CARD", "base_digests", "card_name", "model_card", "sha256_file"]
 
@@ -157,15 +158,8 @@ def _validation_section(report: Mapping[str, Any]) -> list[str]:
         "ToyEval of the softmax teacher and the trained T5 student, same captions and noise (higher is better; "
         "val loss and distance lower):",
         "",
-        "| model | ToyEval overall | color | shape | position | size | val loss | dist. to teacher |",
-        "|---|---|---|---|---|---|---|---|",
+        comparison_table(toy),
     ]
-    for name, key, distance in (("softmax teacher", "teacher", 0.0), ("T5", "student", toy["teacher_distance"])):
-        score = toy[key]["toyeval"]
-        cells = [score[part] for part in ("overall", "color", "shape", "position", "size")]
-        lines.append(
-            f"| {name} | {' | '.join(f'{c:.3f}' for c in cells)} | {toy[key]['val_loss']:.4f} | {distance:.4f} |"
-        )
     return lines
 
 

@@ -21,7 +21,24 @@ from trainer.toy.eval import ToyEvalScore, eval_set, generate, score_images, tea
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Comparison", "compare", "write_grid"]
+__all__ = ["Comparison", "compare", "comparison_table", "write_grid"]
+
+
+def comparison_table(comparison: dict, *, student_name: str = "T5") -> str:
+    """The markdown table of a comparison in its `Comparison.as_dict()` form (as run reports store it):
+    one row per model, ToyEval per attribute, val loss, distance to teacher."""
+    lines = [
+        "| model | ToyEval overall | color | shape | position | size | val loss | dist. to teacher |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, key, distance in (
+        ("softmax teacher", "teacher", 0.0),
+        (student_name, "student", comparison["teacher_distance"]),
+    ):
+        score = comparison[key]["toyeval"]
+        cells = " | ".join(f"{score[part]:.3f}" for part in ("overall", "color", "shape", "position", "size"))
+        lines.append(f"| {name} | {cells} | {comparison[key]['val_loss']:.4f} | {distance:.4f} |")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,19 +56,7 @@ class Comparison:
 
     def table(self, *, student_name: str = "T5") -> str:
         """A markdown table: one row per model, ToyEval per attribute, val loss, distance to teacher."""
-        lines = [
-            "| model | ToyEval overall | color | shape | position | size | val loss | dist. to teacher |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for name, score, loss, dist in (
-            ("softmax teacher", self.teacher_score, self.teacher_val_loss, 0.0),
-            (student_name, self.student_score, self.student_val_loss, self.distance),
-        ):
-            lines.append(
-                f"| {name} | {score.overall:.3f} | {score.color:.3f} | {score.shape:.3f} | {score.position:.3f} | "
-                f"{score.size:.3f} | {loss:.4f} | {dist:.4f} |"
-            )
-        return "\n".join(lines)
+        return comparison_table(self.as_dict(), student_name=student_name)
 
     def as_dict(self) -> dict:
         return {
