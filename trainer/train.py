@@ -82,24 +82,19 @@ class RunResult:
     handle: T5Handle
 
 
-def _prepare_output(folder: Path, world: World) -> None:
-    """Create the output folder and prove it is writable before anything expensive happens."""
-    error: OSError | None = None
-    if world.is_main:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            handle, probe = tempfile.mkstemp(dir=folder, prefix=".write-test.")
-            os.close(handle)
-            os.unlink(probe)
-        except OSError as caught:
-            error = caught
-    flag = torch.tensor([0 if error else 1], device=world.device)
-    torch.distributed.broadcast(flag, src=0)
-    if not flag.item():
+def _prepare_output(folder: Path) -> None:
+    """Create the output folder and prove it is writable before anything expensive happens (rank 0
+    work: run it through `_on_main`)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=".write-test.")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
         raise PermissionError(
-            f"output folder {folder} is not writable ({error or 'failed on rank 0'}). Choose another --output.dir "
+            f"output folder {folder} is not writable ({error}). Choose another --output.dir "
             "or fix its permissions; nothing in it was changed."
-        )
+        ) from error
 
 
 def _on_main(world: World, work: Callable[[], T]) -> T | None:
@@ -286,7 +281,7 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     output = Path(config.output.dir).expanduser()
     comfyui = _on_main(world, lambda: comfyui_target(config.output))
     hub = _on_main(world, lambda: hub_target(config.output))
-    _prepare_output(output, world)
+    _on_main(world, lambda: _prepare_output(output))
     # The same seed on every rank while building: new T5 parameters start identical everywhere
     # (FSDP2, unlike DDP, does not broadcast rank 0's initial values).
     seed_everything(config.training.seed)
