@@ -14,6 +14,7 @@ ComfyUI is imported inside the functions that need it, so importing this module 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Mapping
@@ -52,25 +53,22 @@ class T5Modules(nn.Module):
         return tuple(f"blocks.{index}.{kind}" for index, block in self.blocks.items() for kind in block)
 
 
-_copy_logged = False
+@functools.cache
+def _log_copy(away: str, device: str) -> None:
+    """Logged once per pair of devices (`functools.cache`)."""
+    logger.info(
+        "T5 Linearize: ComfyUI left T5 weights on %s (low-VRAM load); copying them to %s per call", away, device
+    )
 
 
 def _run_t5(module: T5Attention, q: Tensor, k: Tensor, v: Tensor, *, grid: tuple[int, int], text_tokens: int) -> Tensor:
     """Call a T5 module on q's device. ComfyUI's partial (low-VRAM, `--novram`) load can leave some of
     its parameters on the offload device; those are copied for this call, as ComfyUI casts its own
-    layers, and the first such copy is logged once (a full load never takes this path)."""
-    global _copy_logged
+    layers, and that is logged once per pair of devices (a full load never takes this path)."""
     params = dict(module.named_parameters())
     if all(p.device == q.device for p in params.values()):
         return module(q, k, v, grid=grid, text_tokens=text_tokens, text_first=True)
-    if not _copy_logged:
-        _copy_logged = True
-        away = sorted({str(p.device) for p in params.values() if p.device != q.device})
-        logger.info(
-            "T5 Linearize: ComfyUI left T5 weights on %s (low-VRAM load); copying them to %s per call",
-            ", ".join(away),
-            q.device,
-        )
+    _log_copy(", ".join(sorted({str(p.device) for p in params.values() if p.device != q.device})), str(q.device))
     moved = {name: p.to(q.device, non_blocking=True) for name, p in params.items()}
     kwargs = {"grid": grid, "text_tokens": text_tokens, "text_first": True}
     return torch.func.functional_call(module, moved, (q, k, v), kwargs)
