@@ -1,20 +1,26 @@
-"""Ablations of T5 on the built-in toy: same fine-tune budget per row, several seeds, ToyEval and val loss.
+"""Ablations of T5 on the built-in toy: one recipe and budget for every row, three seeds, ToyEval and val loss.
 
-    python -m benchmarks.ablations                      # every row, seeds 0 1, 200 steps each
-    python -m benchmarks.ablations --rows t5 no-keynorm --seeds 0 --steps 50
+    python -m benchmarks.ablations                          # every row, seeds 0 1 2 (about 70 min on 2 cores)
+    python -m benchmarks.ablations --rows t5 no-keynorm --seeds 0 --steps 20 --eval-count 12
 
 Each row starts from the shipped softmax teacher (`trainer/toy/weights`), converts it with
 `t5core.hosts.diffusers.linearize` (or keeps softmax, or swaps in plain linear attention), then
-fine-tunes every parameter with the flow-matching loss for the same number of steps on the same
-batches: new parameters (T5 fast weights and convs, and re-initialised projections) at `--lr-new`,
-inherited ones at `--lr-inherited` (the paper's new-x10 recipe). The fine-tune loop is a minimal one
-kept here so the ablations do not depend on the trainer's options. Rows report mean and standard
-deviation over seeds (the seed fixes the T5 initialisation and the fine-tune batches).
+fine-tunes every parameter for the same number of steps on the same batches with the trainer's
+recipe parts: the loss of `trainer.losses` (flow matching, plus distillation from the frozen teacher
+where the row says so), AdamW with the new parameters (T5 fast weights and convs, and re-initialised
+projections) at `--new-lr-mult` times the inherited rate, and `trainer.optim.build_scheduler`
+(warm-up, then cosine). The seed fixes the T5 initialisation and the fine-tune batches.
+
+Besides ToyEval at the training size (48 px, 144 image tokens) every run reports the validation
+loss at 4x the tokens (96 px, 576 tokens); `--wide-rows` also get ToyEval at 96 px, where the paper
+says key normalisation matters. Results are written after every run and a rerun skips the (row,
+seed) pairs already in the JSON file, so an interrupted sweep resumes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import time
@@ -24,25 +30,25 @@ from typing import Literal
 import torch
 from torch import nn
 
-from benchmarks.timing import header_line, write_json
+from benchmarks.timing import RESULTS_DIR, header_line, write_json
 from t5core.hosts.diffusers import linearize
+from trainer.config import LossConfig, OptimConfig
+from trainer.distributed import derived_seed
+from trainer.optim import build_scheduler
 from trainer.toy.baselines import PlainLinearAttention, reinit_inherited
-from trainer.toy.data import make_batch
-from trainer.toy.eval import (
-    ATTRIBUTES,
-    batch_loss,
-    teacher_distance,
-    toy_eval,
-    validation_loss,
-)
+from trainer.toy.data import IMAGE_SIZE, make_batch
+from trainer.toy.eval import batch_loss, teacher_distance, toy_eval, validation_loss
 from trainer.toy.model import load_toy_base
 
 logger = logging.getLogger(__name__)
 
+WIDE_SIZE = 2 * IMAGE_SIZE
+"""Image side of the 4x-token evaluation."""
+
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One ablation: how attention is replaced, and whether it is fine-tuned."""
+    """One ablation: how attention is replaced, and how it is fine-tuned."""
 
     name: str
     description: str
@@ -53,30 +59,39 @@ class Row:
     locality: bool = True
     inherit: bool = True
     finetune: bool = True
+    distill: bool = False
 
 
 ROWS: tuple[Row, ...] = (
     Row("teacher", "softmax teacher, no fine-tune (reference)", attention="softmax", finetune=False),
-    Row("softmax-ft", "softmax, fine-tuned with the same budget", attention="softmax"),
+    Row("softmax-ft", "softmax, fine-tuned with the same recipe and budget", attention="softmax"),
     Row("t5-zero-ft", "T5 (paper spec), zero fine-tuning", finetune=False),
     Row("t5", "T5 full: key norm, locality, swiglu, paper spec"),
+    Row("t5-distill", "T5 full, flow matching + distillation from the teacher", distill=True),
+    Row("no-inherit", "T5 with re-initialised inherited attention projections", inherit=False),
     Row("no-keynorm", "T5 without key instance norm", key_norm_eps=None),
     Row("no-locality", "T5 without the depthwise convs", locality=False),
     Row("mlp", "T5 with the mlp inner model", variant="mlp"),
     Row("linear-attn", "plain linear attention (elu+1), inherited q/k/v", attention="linear"),
-    Row("no-inherit", "T5 with re-initialised inherited attention projections", inherit=False),
-    Row("all", "T5 with the `all` layer spec", layers="all"),
-    Row("partial", "T5 on attn2 0-1 and the last joint block only", layers="attn2:*,joint:2"),
+    Row("all", "T5 with the `all` layer spec (every attention module)", layers="all"),
 )
 
 
 @dataclass(frozen=True, slots=True)
 class Budget:
+    """The one recipe every fine-tuned row gets."""
+
     steps: int
     batch_size: int
-    lr_new: float
-    lr_inherited: float
-    warmup: int = 20
+    lr: float
+    new_lr_mult: float
+    warmup: int
+    distill_weight: float
+
+    def optim(self) -> OptimConfig:
+        return OptimConfig(
+            lr=self.lr, new_lr_mult=self.new_lr_mult, warmup_steps=self.warmup, schedule="cosine", beta2=0.99
+        )
 
 
 def build(row: Row, seed: int) -> tuple[nn.Module, list[nn.Parameter], tuple[str, ...]]:
@@ -104,24 +119,28 @@ def build(row: Row, seed: int) -> tuple[nn.Module, list[nn.Parameter], tuple[str
     return model, new, names
 
 
-def finetune(model: nn.Module, new: list[nn.Parameter], budget: Budget, *, seed: int) -> float:
-    """Fine-tune every parameter with the flow-matching loss; returns the last training loss."""
+def finetune(
+    model: nn.Module, new: list[nn.Parameter], budget: Budget, *, seed: int, teacher: nn.Module | None
+) -> float:
+    """Fine-tune every parameter with the trainer's loss and schedule; returns the last training loss."""
+    optim = budget.optim()
     new_ids = {id(p) for p in new}
     inherited = [p for p in model.parameters() if id(p) not in new_ids]
-    groups = [{"params": inherited, "lr": budget.lr_inherited}]
+    groups = [{"params": inherited, "lr": optim.lr * optim.inherited_lr_mult}]
     if new:
-        groups.append({"params": new, "lr": budget.lr_new})
-    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.99), weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / budget.warmup))
+        groups.append({"params": new, "lr": optim.lr * optim.new_lr_mult})
+    optimizer = torch.optim.AdamW(groups, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay)
+    scheduler = build_scheduler(optimizer, optim, steps=budget.steps)
+    loss_config = LossConfig(distill_weight=budget.distill_weight if teacher is not None else 0.0)
     model.train()
     loss_value = float("nan")
     for step in range(budget.steps):
-        data_seed = 700_000_000 + seed * 1_000_003 + step
-        batch = make_batch(budget.batch_size, seed=data_seed, drop_text=0.1)
-        loss = batch_loss(model, batch, generator=torch.Generator().manual_seed(data_seed))
+        batch = make_batch(budget.batch_size, seed=derived_seed(seed, "ablation-batch", step), drop_text=0.1)
+        generator = torch.Generator().manual_seed(derived_seed(seed, "ablation-noise", step))
+        loss = batch_loss(model, batch, generator=generator, config=loss_config, teacher=teacher)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
         optimizer.step()
         scheduler.step()
         loss_value = loss.item()
@@ -130,29 +149,43 @@ def finetune(model: nn.Module, new: list[nn.Parameter], budget: Budget, *, seed:
     return loss_value
 
 
-def run(row: Row, seed: int, budget: Budget, *, eval_count: int, teacher_images: torch.Tensor | None) -> dict:
+@dataclass(frozen=True, slots=True)
+class EvalPlan:
+    """What every run is measured on."""
+
+    count: int
+    wide_count: int
+    wide_rows: tuple[str, ...]
+
+
+def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_images: torch.Tensor) -> dict:
     """One row, one seed: build, fine-tune, evaluate."""
     start = time.perf_counter()
     model, new, names = build(row, seed)
-    final_loss = finetune(model, new, budget, seed=seed) if row.finetune else float("nan")
+    teacher = load_toy_base() if row.distill else None
+    final_loss = finetune(model, new, budget, seed=seed, teacher=teacher) if row.finetune else float("nan")
     train_seconds = time.perf_counter() - start
     with torch.no_grad():
-        score, images = toy_eval(model, count=eval_count)
-        val = validation_loss(model)
-    return {
-        "row": row.name,
-        "seed": seed,
-        "converted": len(names),
-        "toyeval": score.as_dict(),
-        "val_loss": val,
-        "teacher_distance": None if teacher_images is None else teacher_distance(images, teacher_images),
-        "final_train_loss": final_loss,
-        "train_seconds": round(train_seconds, 1),
-        "images": images,
-    }
+        score, images = toy_eval(model, count=plan.count)
+        result = {
+            "row": row.name,
+            "seed": seed,
+            "converted": len(names),
+            "toyeval": score.as_dict(),
+            "val_loss": validation_loss(model),
+            "val_loss_4x": validation_loss(model, batches=2, batch_size=16, size=WIDE_SIZE),
+            "teacher_distance": teacher_distance(images, teacher_images),
+            "final_train_loss": final_loss,
+            "train_seconds": round(train_seconds, 1),
+        }
+        if row.name in plan.wide_rows and plan.wide_count:
+            result["toyeval_4x"] = toy_eval(model, count=plan.wide_count, size=WIDE_SIZE)[0].as_dict()
+    return result
 
 
 def _mean_sd(values: list[float], digits: int = 3) -> str:
+    if not values:
+        return "-"
     if len(values) == 1:
         return f"{values[0]:.{digits}f}"
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
@@ -162,64 +195,77 @@ def summarise(rows: tuple[Row, ...], results: list[dict], budget: Budget, seeds:
     """A markdown table: one line per row, mean ± sd over seeds."""
     lines = [
         header_line(),
-        f"toy ablations: {budget.steps} fine-tune steps x batch {budget.batch_size} per row, "
-        f"lr new {budget.lr_new:g} / inherited {budget.lr_inherited:g}, seeds {seeds}",
+        f"toy ablations: {budget.steps} fine-tune steps x batch {budget.batch_size} per row, lr {budget.lr:g} "
+        f"(new x{budget.new_lr_mult:g}), {budget.warmup} warm-up steps then cosine, seeds {seeds}",
         "",
-        "| row | what | modules | ToyEval overall | color | shape | position | size | val loss | dist. to teacher |",
+        "| row | what | modules | ToyEval overall | shape | size | val loss | val loss 4x tokens "
+        "| ToyEval 4x tokens | dist. to teacher |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         runs = [r for r in results if r["row"] == row.name]
         if not runs:
             continue
-        cells = [_mean_sd([r["toyeval"][k] for r in runs]) for k in ("overall", *ATTRIBUTES)]
-        dist = [r["teacher_distance"] for r in runs if r["teacher_distance"] is not None]
+        cells = [_mean_sd([r["toyeval"][k] for r in runs]) for k in ("overall", "shape", "size")]
+        wide = [r["toyeval_4x"]["overall"] for r in runs if "toyeval_4x" in r]
         lines.append(
-            f"| {row.name} | {row.description} | {runs[0]['converted']} | " + " | ".join(cells) + f" | "
-            f"{_mean_sd([r['val_loss'] for r in runs], 4)} | {_mean_sd(dist) if dist else '-'} |"
+            f"| {row.name} | {row.description} | {runs[0]['converted']} | " + " | ".join(cells) + " | "
+            f"{_mean_sd([r['val_loss'] for r in runs], 4)} | {_mean_sd([r['val_loss_4x'] for r in runs], 4)} | "
+            f"{_mean_sd(wide)} | {_mean_sd([r['teacher_distance'] for r in runs])} |"
         )
     return "\n".join(lines)
 
 
+def _previous(name: str, budget: Budget) -> list[dict]:
+    """Results of an earlier, interrupted sweep with the same budget (to resume), else none."""
+    path = RESULTS_DIR / f"{name}.json"
+    if not path.is_file():
+        return []
+    payload = json.loads(path.read_text())
+    if payload["meta"].get("budget") != asdict(budget):
+        return []
+    return payload["rows"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # At the toy's depth 3 the `paper` spec already converts every module (attn2 0-1 and the joint
-    # attention of the last 5 blocks), so the `all` row would repeat `t5` bit for bit; `partial`
-    # is the contrast that converts part of the model, as `paper` does on SD3.5 Medium.
-    default_rows = [r.name for r in ROWS if r.name != "all"]
-    parser.add_argument("--rows", nargs="+", default=default_rows, choices=[r.name for r in ROWS])
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    parser.add_argument("--steps", type=int, default=200, help="fine-tune steps per row (the same for every row)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr-new", type=float, default=1e-3)
-    parser.add_argument("--lr-inherited", type=float, default=1e-4)
-    parser.add_argument(
-        "--eval-count", type=int, default=180, help="ToyEval samples per run (180 = every caption once)"
-    )
+    parser.add_argument("--rows", nargs="+", default=[r.name for r in ROWS], choices=[r.name for r in ROWS])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=120, help="fine-tune steps per row (the same for every row)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1e-4, help="learning rate of the inherited weights")
+    parser.add_argument("--new-lr-mult", type=float, default=20.0, help="new parameters' rate / inherited rate")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--distill-weight", type=float, default=1.0, help="distillation weight of `distill` rows")
+    parser.add_argument("--eval-count", type=int, default=180, help="ToyEval samples (180 = every caption once)")
+    parser.add_argument("--wide-count", type=int, default=60, help="ToyEval samples at 4x the tokens")
+    parser.add_argument("--wide-rows", nargs="*", default=["teacher", "t5", "no-keynorm"])
     parser.add_argument("--json", default="ablations", help="name of the JSON file under benchmarks/results/")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    budget = Budget(args.steps, args.batch_size, args.lr_new, args.lr_inherited)
+    budget = Budget(args.steps, args.batch_size, args.lr, args.new_lr_mult, args.warmup, args.distill_weight)
+    plan = EvalPlan(args.eval_count, args.wide_count, tuple(args.wide_rows))
     rows = tuple(r for r in ROWS if r.name in args.rows)
-    teacher_score, teacher_images = toy_eval(load_toy_base(), count=args.eval_count)
-    results: list[dict] = []
+    teacher_score, teacher_images = toy_eval(load_toy_base(), count=plan.count)
+    results = _previous(args.json, budget)
+    meta = {"budget": asdict(budget), "eval": asdict(plan), "seeds": args.seeds}
     for row in rows:
         # A row without randomness (the softmax teacher) needs one seed only.
         seeds = args.seeds[:1] if row.attention == "softmax" and not row.finetune else args.seeds
         for seed in seeds:
-            result = run(row, seed, budget, eval_count=args.eval_count, teacher_images=teacher_images)
-            result.pop("images")
+            if any(r["row"] == row.name and r["seed"] == seed for r in results):
+                continue
+            result = run(row, seed, budget, plan, teacher_images=teacher_images)
             results.append(result)
             print(
                 f"{row.name:12s} seed {seed}: ToyEval {result['toyeval']['overall']:.3f}, val loss "
-                f"{result['val_loss']:.4f}, {result['train_seconds']:.0f} s",
+                f"{result['val_loss']:.4f} (4x tokens {result['val_loss_4x']:.4f}), {result['train_seconds']:.0f} s",
                 flush=True,
             )
-            write_json(args.json, results, meta={"budget": asdict(budget), "seeds": args.seeds, "partial": True})
+            write_json(args.json, results, meta={**meta, "partial": True})
     table = summarise(rows, results, budget, args.seeds)
     print(table)
-    meta = {"budget": asdict(budget), "seeds": args.seeds, "teacher_toyeval": teacher_score.as_dict(), "table": table}
-    write_json(args.json, results, meta=meta)
+    write_json(args.json, results, meta={**meta, "teacher_toyeval": teacher_score.as_dict(), "table": table})
     return 0
 
 

@@ -1,7 +1,7 @@
 """Toy sampling speed: the softmax teacher vs its T5 conversion, at two resolutions, as ratios.
 
-    python -m benchmarks.bench_toy_speed                       # 64 and 128 px, 4 Euler steps with CFG
-    python -m benchmarks.bench_toy_speed --sizes 64 256 --steps 8 --batch 4
+    python -m benchmarks.bench_toy_speed                       # 48 and 96 px, 4 Euler steps with CFG
+    python -m benchmarks.bench_toy_speed --sizes 48 96 --steps 8 --batch 4
 
 Both models are the shipped toy teacher; the T5 one is converted with the `paper` spec (fresh T5
 parameters: speed does not depend on their values) and the `auto` backend (Triton on CUDA, the
@@ -52,7 +52,7 @@ def _check(t5_model, torch_model, cond: ToyCond, noise: torch.Tensor, steps: int
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", type=int, default=[64, 128], help="image sides in pixels (x16)")
+    parser.add_argument("--sizes", nargs="+", type=int, default=[48, 96], help="image sides in pixels (x16)")
     parser.add_argument("--steps", type=int, default=4, help="Euler steps per sampling run (with CFG)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)

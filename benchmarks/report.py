@@ -251,9 +251,9 @@ def _memory_check(result: Result) -> list[str]:
     return [intro, "", *_table(["phase", "plan GiB", "measured GiB", "plan / measured", "within 15%"], rows)]
 
 
-def _ablations(result: Result) -> list[str]:
-    # `benchmarks/ablations.py` stores its summary (mean ± sd over seeds) with the rows: a header
-    # line, a description line, a blank line, then the table.
+def _stored_table(result: Result) -> list[str]:
+    # `benchmarks/ablations.py` and `benchmarks/key_bias.py` store their printed table with the rows:
+    # a header line, a description line, a blank line, then the table.
     lines = result["meta"]["table"].splitlines()
     return [lines[1] + ".", "", *lines[3:]]
 
@@ -287,7 +287,8 @@ SECTIONS: tuple[tuple[str, str, str, Renderer], ...] = (
         "python -m benchmarks.bench_memory_plan",
         _memory_check,
     ),
-    ("ablations*.json", "Toy ablations", "python -m benchmarks.ablations", _ablations),
+    ("ablations*.json", "Toy ablations", "python -m benchmarks.ablations", _stored_table),
+    ("key_bias.json", "Key bias of the toy teacher", "python -m benchmarks.key_bias", _stored_table),
 )
 
 INTRO = f"""# Benchmarks

@@ -1,9 +1,10 @@
 """Layer specs: which attention modules of an SD3-family model are converted to T5 attention.
 
-A spec is `"paper"` (every image-only `attn2`, plus the joint attention of the last 5 blocks, as
-SD3.5-T5 converts), `"all"` (every attention module), `"none"` / `""` (nothing), a comma list of
-`joint:<blocks>` / `attn2:<blocks>` items with blocks as `i`, `i-j` or `*` (`"joint:18-23,attn2:0-12"`),
-module names (`"blocks.3.attn"`), or a sequence of those strings.
+A spec is `"paper"` (every image-only `attn2`, plus the joint attention of the last 5/24 of the
+blocks: SD3.5-T5 converts `attn2` 0-12 and joint 19-23 of SD3.5 Medium's 24 blocks), `"all"`
+(every attention module), `"none"` / `""` (nothing), a comma list of `joint:<blocks>` /
+`attn2:<blocks>` items with blocks as `i`, `i-j` or `*` (`"joint:18-23,attn2:0-12"`), module names
+(`"blocks.3.attn"`), or a sequence of those strings.
 """
 
 from __future__ import annotations
@@ -13,12 +14,19 @@ from collections.abc import Sequence
 
 from t5core.config import BaseArch
 
-__all__ = ["LayerSpec", "PAPER_JOINT_TAIL", "resolve_layers"]
+__all__ = ["LayerSpec", "paper_joint_tail", "resolve_layers"]
 
 LayerSpec = str | Sequence[str]
 
-PAPER_JOINT_TAIL = 5
-"""Number of final blocks whose joint attention the `paper` spec converts."""
+
+def paper_joint_tail(depth: int) -> int:
+    """How many final blocks' joint attention `paper` converts: 5 of 24 (SD3.5 Medium, the paper's
+    model), the same fraction rounded for other depths, at least 1.
+
+    SD3.5 Large (38 blocks) gets 8 and the 4-block toy 1; the paper reports neither, so those are
+    this project's extrapolation of the paper's choice.
+    """
+    return max(1, (depth * 5 + 12) // 24)
 
 _KINDS = {"joint": "attn", "attn": "attn", "attn2": "attn2"}
 _NAME = re.compile(r"^blocks\.(\d+)\.(attn2?)$")
@@ -37,7 +45,7 @@ def _blocks(text: str, depth: int, item: str) -> range:
 
 def _parse_item(item: str, arch: BaseArch) -> list[str]:
     if item == "paper":
-        tail = range(max(arch.depth - PAPER_JOINT_TAIL, 0), arch.depth)
+        tail = range(arch.depth - paper_joint_tail(arch.depth), arch.depth)
         return [f"blocks.{i}.attn2" for i in arch.dual_attention_layers] + [f"blocks.{i}.attn" for i in tail]
     if item == "all":
         return list(arch.attention_modules())

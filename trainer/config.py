@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from t5core.contract import Variant
+from trainer.presets import get_preset, preset_data_sources
 
 __all__ = [
     "CheckpointConfig",
@@ -97,7 +98,7 @@ class ModelConfig:
     def _resolve_comfyui_names(self) -> None:
         """Bare file names become paths in the ComfyUI folder (a string rule: files are checked when loading)."""
         root = self.comfyui.rstrip("/")
-        base = COMFYUI_DEFAULT_CHECKPOINT if self.base == "toy" else self.base
+        base = COMFYUI_DEFAULT_CHECKPOINT if get_preset(self.base) is not None else self.base
         if "/" not in base:
             self.base = f"{root}/{COMFYUI_CHECKPOINTS}/{base}"
         for name in ("clip_l", "clip_g", "t5xxl"):
@@ -148,7 +149,9 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _require(
-            self.source in ("toy", "prompts") or bool(self.path), "data.path", f"source {self.source!r} needs a path."
+            self.source == "prompts" or self.source in preset_data_sources() or bool(self.path),
+            "data.path",
+            f"source {self.source!r} needs a path.",
         )
         _require(
             self.resolution >= 0 and self.resolution % 16 == 0, "data.resolution", "must be a multiple of 16 (or 0)."
@@ -221,6 +224,8 @@ class OptimConfig:
     """Linear warm-up steps."""
     schedule: Literal["constant", "cosine"] = "constant"
     """Learning-rate schedule after warm-up."""
+    min_lr_ratio: float = 0.0
+    """`cosine`: the learning rate decays to this fraction of its peak at the last step."""
 
     def __post_init__(self) -> None:
         _require(self.lr > 0, "optim.lr", "must be positive.")
@@ -230,6 +235,7 @@ class OptimConfig:
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1", "betas must be in [0, 1).")
         _require(self.grad_clip >= 0, "optim.grad_clip", "must not be negative.")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", "must not be negative.")
+        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1].")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -349,12 +355,21 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
-        _require(
-            (self.data.source == "toy") == (self.model.base == "toy"),
-            "data.source",
-            f"the toy base trains on the toy source and a real base on real data; got "
-            f"--model.base {self.model.base!r} with --data.source {self.data.source!r}.",
-        )
+        preset = get_preset(self.model.base)
+        if preset is not None:
+            _require(
+                self.data.source == preset.data_source,
+                "data.source",
+                f"the {preset.name} base trains on its own data, --data.source {preset.data_source}; got "
+                f"--data.source {self.data.source!r}.",
+            )
+        else:
+            _require(
+                self.data.source not in preset_data_sources(),
+                "data.source",
+                f"--data.source {self.data.source!r} belongs to a built-in model; --model.base "
+                f"{self.model.base!r} trains on `images`, `prompts` or a `cache`.",
+            )
 
     @staticmethod
     def sections() -> tuple[str, ...]:

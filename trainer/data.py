@@ -3,8 +3,9 @@
 A source holds samples addressed by index and grouped into buckets of equal latent size. The plan
 turns (seed, step) into the indices of one global batch, all from one bucket; each rank takes its
 contiguous slice. So N processes see exactly the batch one process would, and the data position is
-just the step number (resume is exact). Sources: `ToySource` (made on the fly) and `CacheSource`
-(`trainer.cache`, written by `trainer.prepare`).
+just the step number (resume is exact). Sources: a model preset's own (`trainer.presets`, such as the
+toy's `trainer.toy.preset.ToySource`, made on the fly) and `CacheSource` (`trainer.cache`, written by
+`trainer.prepare`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from trainer.distributed import derived_seed
 
-__all__ = ["Batch", "BatchPlan", "Source", "ToySource"]
+__all__ = ["Batch", "BatchPlan", "Source"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,33 +52,6 @@ class Source(Protocol):
     def uncond(self) -> tuple[Tensor, Tensor]:
         """The empty caption's `(context (T, J), pooled (P,))`, for caption dropout."""
         ...
-
-
-class ToySource:
-    """The toy's procedural captioned shapes (`trainer.toy.data`): sample i is `make_batch(1, seed=i)`."""
-
-    def __init__(self, samples: int, *, size: int, seed_offset: int = 0) -> None:
-        from trainer.toy import data as toy_data
-
-        self._toy = toy_data
-        self.samples, self.size, self.seed_offset = samples, size, seed_offset
-        latent = size // 2
-        self._buckets = {(latent, latent): list(range(samples))}
-
-    def buckets(self) -> dict[tuple[int, int], list[int]]:
-        return self._buckets
-
-    def load(self, indices: list[int]) -> Batch:
-        parts = [self._toy.make_batch(1, seed=self.seed_offset + index, size=self.size) for index in indices]
-        return Batch(
-            torch.cat([p.latents for p in parts]),
-            torch.cat([p.encoder_hidden_states for p in parts]),
-            torch.cat([p.pooled_projections for p in parts]),
-        )
-
-    def uncond(self) -> tuple[Tensor, Tensor]:
-        context, pooled = self._toy.embed_captions([""])
-        return context[0], pooled[0]
 
 
 class BatchPlan:

@@ -20,7 +20,7 @@ from trainer.checkpoint import CheckpointManager
 from trainer.config import TrainConfig
 from trainer.data import Batch, BatchPlan, Source
 from trainer.distributed import World, derived_seed
-from trainer.losses import AttentionCapture, add_noise, combine, sample_sigmas
+from trainer.losses import AttentionCapture, add_noise, combine, predict_velocity, sample_sigmas
 from trainer.metrics import MetricsWriter, Progress
 
 __all__ = ["LoopResult", "TrainParts", "train_loop", "train_step"]
@@ -78,16 +78,6 @@ def _noise(parts: TrainParts, batch: Batch, step: int) -> tuple[Tensor, Tensor, 
     return noise[rows], sigmas[rows], dropped[rows]
 
 
-def _forward(model: nn.Module, x_t: Tensor, sigmas: Tensor, batch: Batch) -> Tensor:
-    return model(
-        hidden_states=x_t,
-        encoder_hidden_states=batch.context,
-        pooled_projections=batch.pooled,
-        timestep=sigmas * 1000,
-        return_dict=False,
-    )[0]
-
-
 def train_step(parts: TrainParts, step: int) -> dict[str, float]:
     """Run optimizer step `step` (0-based) and return its metrics, averaged over ranks."""
     device = parts.world.device
@@ -109,9 +99,11 @@ def train_step(parts: TrainParts, step: int) -> dict[str, float]:
         teacher_prediction = None
         if parts.teacher is not None:
             with torch.no_grad(), _recording(parts.teacher_capture) as teacher_out:
-                teacher_prediction = _forward(parts.teacher, x_t, sigmas, batch)
+                teacher_prediction = predict_velocity(
+                    parts.teacher, x_t, sigmas, context=batch.context, pooled=batch.pooled
+                )
         with _recording(parts.student_capture) as student_out:
-            prediction = _forward(parts.model, x_t, sigmas, batch)
+            prediction = predict_velocity(parts.model, x_t, sigmas, context=batch.context, pooled=batch.pooled)
         if parts.config.loss.feature_weight > 0:
             features = [(student_out[name], teacher_out[name]) for name in parts.student_capture.names]
         losses = combine(

@@ -20,7 +20,15 @@ from torch import Tensor, nn
 
 from trainer.config import LossConfig
 
-__all__ = ["AttentionCapture", "LossTerms", "add_noise", "combine", "flow_weights", "sample_sigmas"]
+__all__ = [
+    "AttentionCapture",
+    "LossTerms",
+    "add_noise",
+    "combine",
+    "flow_weights",
+    "predict_velocity",
+    "sample_sigmas",
+]
 
 
 def sample_sigmas(count: int, *, generator: torch.Generator, config: LossConfig) -> Tensor:
@@ -33,6 +41,24 @@ def add_noise(x0: Tensor, noise: Tensor, sigmas: Tensor) -> Tensor:
     """x_t = (1 - sigma) x0 + sigma eps, per sample."""
     s = sigmas.view(-1, *([1] * (x0.dim() - 1)))
     return (1 - s) * x0 + s * noise
+
+
+def predict_velocity(model: nn.Module, x_t: Tensor, sigmas: Tensor, *, context: Tensor, pooled: Tensor) -> Tensor:
+    """The model's velocity at `x_t`, timestep `1000 * sigma`, inputs cast to the model's dtype.
+
+    Args:
+        model: an SD3-family transformer with the diffusers call (softmax or linearized).
+        x_t (`Tensor`): noisy latents `(B, C, h, w)`. sigmas: `(B,)`.
+        context (`Tensor`): `(B, T, J)` text tokens. pooled: `(B, P)`.
+    """
+    dtype = next(model.parameters()).dtype
+    return model(
+        hidden_states=x_t.to(dtype),
+        encoder_hidden_states=context.to(dtype),
+        pooled_projections=pooled.to(dtype),
+        timestep=(sigmas * 1000).to(dtype),
+        return_dict=False,
+    )[0]
 
 
 def flow_weights(sigmas: Tensor, scheme: str) -> Tensor:

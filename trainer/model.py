@@ -19,6 +19,7 @@ from torch import nn
 
 from t5core.hosts.diffusers import T5Handle, arch_of, linearize
 from trainer.config import ModelConfig, OptimConfig
+from trainer.presets import get_preset
 from trainer.sources import PipelineFiles, find_text_parts, local_base
 
 __all__ = ["ParamSplit", "build_student", "find_pipeline_folder", "load_base", "make_teacher", "split_parameters"]
@@ -96,10 +97,9 @@ def load_base(config: ModelConfig) -> nn.Module:
         PermissionError: a gated Hub repo without a token.
         ValueError: the base is not an SD3-family model, or a checkpoint format that would need pickle.
     """
-    if config.base == "toy":
-        from trainer.toy.model import load_toy_base
-
-        return load_toy_base().requires_grad_(True)
+    preset = get_preset(config.base)
+    if preset is not None:
+        return preset.load_base()
     from diffusers import SD3Transformer2DModel
 
     path = local_base(config)

@@ -17,6 +17,7 @@ from typing import Any
 from trainer.cli import config_to_toml
 from trainer.config import ModelConfig, TrainConfig
 from trainer.model import _transformer_folder
+from trainer.presets import get_preset
 from trainer.sources import local_base
 from trainer.toy.report import comparison_table
 
@@ -46,17 +47,16 @@ def base_digests(config: ModelConfig) -> dict[str, str]:
     """File name -> sha256 of the files holding the base model's weights, as `--model.base` resolves.
 
     Args:
-        config: the model section. Its base is `toy` (the shipped toy teacher file), a single-file
+        config: the model section. Its base is a model preset (its `weight_files`), a single-file
             checkpoint, a diffusers pipeline or transformer folder (its transformer's `.safetensors` /
             `.bin` weight files, names relative to it), or a Hub repo id (the files in the local cache).
 
     Returns:
         The digests in file-name order.
     """
-    if config.base == "toy":
-        from trainer.toy.model import WEIGHTS_FILE
-
-        files = {WEIGHTS_FILE.name: WEIGHTS_FILE}
+    preset = get_preset(config.base)
+    if preset is not None:
+        files = preset.weight_files()
     else:
         path = local_base(config)
         if path.is_file():
@@ -77,7 +77,8 @@ def _rows(pairs: list[tuple[str, object]]) -> list[str]:
 
 
 def _base_section(config: TrainConfig, report: Mapping[str, Any]) -> list[str]:
-    what = "the built-in toy SD3.5-Medium-like model" if config.model.base == "toy" else f"`{config.model.base}`"
+    preset = get_preset(config.model.base)
+    what = preset.description if preset is not None else f"`{config.model.base}`"
     lines = ["## Base model", "", f"Trained from {what} (`--model.base {config.model.base}`).", ""]
     digests = report.get("base_sha256") or {}
     if digests:
@@ -182,8 +183,9 @@ def _usage_section(config: TrainConfig, report: Mapping[str, Any], weights_name:
         "This file has nothing to do with the `t5xxl` text encoder: T5 names the test-time-training attention "
         "here. SD3 still loads its T5-XXL text encoder (`models/text_encoders/`) as usual.",
     ]
-    if config.model.base == "toy":
-        lines += ["", "The toy model samples with `ModelSamplingSD3` shift 1.0 and its own captions; see docs/toy.md."]
+    preset = get_preset(config.model.base)
+    if preset is not None and preset.card_note:
+        lines += ["", preset.card_note]
     return lines
 
 

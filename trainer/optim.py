@@ -58,14 +58,15 @@ def build_optimizer(model: nn.Module, split: ParamSplit, config: OptimConfig) ->
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, *, steps: int) -> LambdaLR:
-    """Linear warm-up over `warmup_steps`, then constant or cosine decay to 0 at `steps`."""
+    """Linear warm-up over `warmup_steps`, then constant, or cosine decay to `min_lr_ratio` at `steps`."""
 
     def factor(step: int) -> float:
         if step < config.warmup_steps:
             return (step + 1) / config.warmup_steps
         if config.schedule == "cosine":
             progress = (step - config.warmup_steps) / max(steps - config.warmup_steps, 1)
-            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+            cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+            return config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine
         return 1.0
 
     return LambdaLR(optimizer, factor)

@@ -24,9 +24,8 @@ from t5core.hosts.diffusers import T5Handle
 from trainer.checkpoint import CheckpointManager
 from trainer.cli import config_from_toml_text, config_to_toml, save_config
 from trainer.config import TrainConfig
-from trainer.data import BatchPlan, Source, ToySource
+from trainer.data import BatchPlan, Source
 from trainer.distributed import World, init_world, rank_seed, seed_everything
-from trainer.evaluate import evaluate_toy
 from trainer.export import ComfyTarget, comfyui_target, export_weights, install_in_comfyui, write_report
 from trainer.hub import HubTarget, hub_target, push_to_hub
 from trainer.loop import TrainParts, train_loop
@@ -37,14 +36,13 @@ from trainer.model import ParamSplit, build_student, find_pipeline_folder, load_
 from trainer.model_card import RUN_CARD, base_digests, model_card
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import apply_activation_checkpointing, apply_ddp, apply_fsdp, store_frozen_in
+from trainer.presets import get_preset
 
 __all__ = ["RunAlreadyFinished", "RunResult", "run"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-TOY_IMAGE_SIZE = 32
-"""The toy's image side when `--data.resolution` is 0 (`trainer.toy.data.IMAGE_SIZE`)."""
 REAL_RESOLUTION = 1024
 """The image side of `images` / `prompts` data when `--data.resolution` is 0 (SD3.5's native size)."""
 _RESUME_KEYS = (
@@ -176,8 +174,9 @@ def _check_resume_config(saved_text: str, config: TrainConfig) -> None:
 
 def _build_source(config: TrainConfig, base: nn.Module, world: World, output: Path) -> Source:
     data = config.data
-    if data.source == "toy":
-        return ToySource(data.toy_samples, size=data.resolution or TOY_IMAGE_SIZE)
+    preset = get_preset(config.model.base)
+    if preset is not None:
+        return preset.build_source(data)
     from trainer.cache import CacheSource
 
     if data.source == "cache":
@@ -384,9 +383,10 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     }
     export_weights(weights, handle, split, world, provenance=provenance)
     toy_eval = None
-    if config.model.base == "toy":
+    preset = get_preset(config.model.base)
+    if preset is not None:
         sharded = config.parallel.mode == "fsdp2"
-        toy_eval = evaluate_toy(handle.model, output, world, samples=config.output.toy_eval_samples, sharded=sharded)
+        toy_eval = preset.evaluate(handle.model, output, world, samples=config.output.toy_eval_samples, sharded=sharded)
     report = {
         "step": result.step,
         "stop_reason": result.stop_reason,

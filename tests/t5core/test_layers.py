@@ -3,6 +3,8 @@
 import pytest
 
 from t5core import resolve_layers
+from t5core.config import BaseArch
+from t5core.layers import paper_joint_tail
 from testing.models import shipped_arch
 
 SD35_MEDIUM = shipped_arch("sd3.5_medium")
@@ -53,5 +55,18 @@ def test_bad_specs_name_the_problem(spec, match):
         resolve_layers(spec, SD35_MEDIUM)
 
 
-def test_paper_spec_on_a_model_without_attn2_is_the_joint_tail():
-    assert resolve_layers("paper", SD35_LARGE) == tuple(f"blocks.{i}.attn" for i in range(33, 38))
+def test_paper_spec_on_a_model_without_attn2_is_the_joint_tail_in_the_papers_proportion():
+    # 5 of 24 blocks in the paper; 38 * 5 / 24 = 7.9 -> the last 8 of SD3.5 Large.
+    assert resolve_layers("paper", SD35_LARGE) == tuple(f"blocks.{i}.attn" for i in range(30, 38))
+
+
+@pytest.mark.parametrize("depth,tail", [(1, 1), (3, 1), (4, 1), (12, 3), (24, 5), (38, 8)])
+def test_paper_joint_tail_keeps_the_papers_fraction_and_at_least_one_block(depth, tail):
+    assert paper_joint_tail(depth) == tail
+
+
+def test_paper_spec_converts_about_half_of_the_toy_as_of_sd35_medium():
+    toy = BaseArch(depth=4, heads=4, head_dim=64, dual_attention_layers=(0, 1))
+    names = resolve_layers("paper", toy)
+    assert names == ("blocks.0.attn2", "blocks.1.attn2", "blocks.3.attn")
+    assert len(names) / len(toy.attention_modules()) == 0.5

@@ -7,6 +7,7 @@ import torch
 
 from trainer.toy.data import (
     COLORS,
+    IMAGE_SIZE,
     JOINT_ATTENTION_DIM,
     POOLED_DIM,
     POSITIONS,
@@ -30,7 +31,7 @@ def test_make_batch_is_reproducible_for_any_batch_size(batch_size):
     assert first.captions == second.captions
     for name in ("images", "latents", "encoder_hidden_states", "pooled_projections"):
         assert torch.equal(getattr(first, name), getattr(second, name)), name
-    assert first.latents.shape == (batch_size, 16, 16, 16)
+    assert first.latents.shape == (batch_size, 16, IMAGE_SIZE // 2, IMAGE_SIZE // 2)
     assert first.encoder_hidden_states.shape == (batch_size, TEXT_TOKENS, JOINT_ATTENTION_DIM)
     assert first.pooled_projections.shape == (batch_size, POOLED_DIM)
 
@@ -109,7 +110,7 @@ def test_render_draws_the_caption():
     colors = image[:, mask].T.unique(dim=0)
     torch.testing.assert_close(colors, torch.tensor([COLORS["blue"]]))
     rows, cols = mask.nonzero(as_tuple=True)
-    centre = torch.stack([rows.float().mean() + 0.5, cols.float().mean() + 0.5]) / 32
+    centre = torch.stack([rows.float().mean() + 0.5, cols.float().mean() + 0.5]) / IMAGE_SIZE
     torch.testing.assert_close(centre, torch.tensor(POSITIONS["bottom right"]), rtol=0, atol=0.05)
 
 

@@ -151,7 +151,7 @@ def test_toy_source_trains_and_evaluates_the_toy_base(tmp_path):
     )  # fmt: skip
     result = run(config)
     assert result.step == 1 and result.weights.is_file()
-    assert len(result.handle.modules) == 5  # toy: attn2 on blocks 0-1, joint attention of all 3 blocks
+    assert result.handle.modules.keys() == {"blocks.0.attn2", "blocks.1.attn2", "blocks.3.attn"}  # `paper`
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report["toy_eval"]) >= {"teacher", "student", "teacher_distance"}
     assert (tmp_path / "grid.png").is_file() and "ToyEval overall" in (tmp_path / "toy_eval.md").read_text()

@@ -47,8 +47,9 @@ __all__ = [
     "tokenize",
 ]
 
-IMAGE_SIZE = 32
-"""Default image side in pixels; images may be any multiple of 16 from 32 up."""
+IMAGE_SIZE = 48
+"""Default image side in pixels (24 x 24 latents, 12 x 12 = 144 image tokens); images may be any
+multiple of 16 from 32 up."""
 LATENT_CHANNELS = 16
 JOINT_ATTENTION_DIM = 64
 POOLED_DIM = 64
@@ -257,7 +258,7 @@ def make_batch(batch_size: int, *, seed: int, size: int = IMAGE_SIZE, drop_text:
     Args:
         batch_size (`int`): B.
         seed (`int`): fixes captions, jitter and which captions are dropped.
-        size (`int`, *optional*, defaults to 32): image side in pixels.
+        size (`int`, *optional*, defaults to `IMAGE_SIZE`): image side in pixels.
         drop_text (`float`, *optional*, defaults to 0): probability of replacing a caption's
             conditioning by the unconditional one (classifier-free guidance training).
     """

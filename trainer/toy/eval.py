@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer.losses import add_noise
+from trainer.config import LossConfig
+from trainer.losses import add_noise, combine, predict_velocity, sample_sigmas
 from trainer.toy.data import (
     COLORS,
     IMAGE_SIZE,
@@ -42,9 +43,7 @@ __all__ = [
     "ToyEvalScore",
     "batch_loss",
     "eval_set",
-    "flow_matching_loss",
     "generate",
-    "logit_normal_sigmas",
     "read_images",
     "sample_hits",
     "score_images",
@@ -201,14 +200,14 @@ def generate(
 
 
 def toy_eval(
-    model, *, count: int = 180, steps: int = 20, cfg: float = 3.0, seed: int = 0
+    model, *, count: int = 180, steps: int = 20, cfg: float = 3.0, seed: int = 0, size: int = IMAGE_SIZE
 ) -> tuple[ToyEvalScore, Tensor]:
-    """Generate the fixed evaluation set with `model` and score it.
+    """Generate the fixed evaluation set with `model` at `size` x `size` pixels and score it.
 
     Returns:
-        The `ToyEvalScore` and the images `(count, 3, 32, 32)`, for grids and teacher distances.
+        The `ToyEvalScore` and the images `(count, 3, S, S)`, for grids and teacher distances.
     """
-    captions, noise = eval_set(count, seed=seed)
+    captions, noise = eval_set(count, seed=seed, size=size)
     images = generate(model, captions, noise, steps=steps, cfg=cfg)
     return score_images(images, captions), images
 
@@ -220,45 +219,52 @@ def teacher_distance(images: Tensor, teacher_images: Tensor) -> float:
     return (images.float() - teacher_images.float()).square().mean().sqrt().item()
 
 
-def flow_matching_loss(model, latents: Tensor, context: Tensor, pooled: Tensor, noise: Tensor, sigma: Tensor) -> Tensor:
-    """SD3's rectified-flow loss: x_t = (1 - sigma) x0 + sigma eps, MSE of the velocity to eps - x0.
+_TOY_LOSS = LossConfig()
+"""The toy's flow-matching loss: SD3's logit-normal(0, 1) sigmas, no shift, no weighting."""
+
+
+def batch_loss(
+    model,
+    batch: ToyBatch,
+    *,
+    generator: torch.Generator,
+    config: LossConfig = _TOY_LOSS,
+    teacher: torch.nn.Module | None = None,
+) -> Tensor:
+    """The trainer's loss (`trainer.losses.combine`) on a toy batch, noise and sigmas from `generator`.
 
     Args:
-        latents (`Tensor`): x0 `(B, 16, h, w)`. noise: eps, same shape. sigma: `(B,)` in (0, 1).
-        context (`Tensor`): `(B, T, J)`. pooled: `(B, P)`.
+        config (`LossConfig`, *optional*): loss weights; defaults to flow matching alone.
+        teacher (`nn.Module`, *optional*): the frozen softmax model, needed when `config.distill_weight > 0`.
 
     Returns:
-        The scalar mean squared error (float32).
+        The scalar loss (float32), differentiable.
     """
-    dtype = next(model.parameters()).dtype
-    noisy = add_noise(latents, noise, sigma)
-    pred = model(
-        hidden_states=noisy.to(dtype),
-        encoder_hidden_states=context.to(dtype),
-        pooled_projections=pooled.to(dtype),
-        timestep=(sigma * 1000).to(dtype),
-        return_dict=False,
-    )[0]
-    return F.mse_loss(pred.float(), (noise - latents).float())
-
-
-def logit_normal_sigmas(count: int, *, generator: torch.Generator) -> Tensor:
-    """SD3's training sigmas: sigmoid of a standard normal (logit-normal(0, 1))."""
-    return torch.sigmoid(torch.randn(count, generator=generator))
-
-
-def batch_loss(model, batch: ToyBatch, *, generator: torch.Generator) -> Tensor:
-    """Flow-matching loss of a toy batch, with noise and logit-normal sigmas drawn from `generator`."""
     noise = torch.randn(batch.latents.shape, generator=generator)
-    sigma = logit_normal_sigmas(batch.latents.shape[0], generator=generator)
-    return flow_matching_loss(model, batch.latents, batch.encoder_hidden_states, batch.pooled_projections, noise, sigma)
+    sigmas = sample_sigmas(batch.latents.shape[0], generator=generator, config=config)
+    x_t = add_noise(batch.latents, noise, sigmas)
+    context, pooled = batch.encoder_hidden_states, batch.pooled_projections
+    teacher_prediction = None
+    if teacher is not None and config.distill_weight > 0:
+        with torch.no_grad():
+            teacher_prediction = predict_velocity(teacher, x_t, sigmas, context=context, pooled=pooled)
+    prediction = predict_velocity(model, x_t, sigmas, context=context, pooled=pooled)
+    return combine(
+        config,
+        prediction=prediction,
+        target=noise - batch.latents,
+        sigmas=sigmas,
+        teacher_prediction=teacher_prediction,
+    ).total
 
 
 @torch.no_grad()
-def validation_loss(model, *, batches: int = 4, batch_size: int = 32, seed: int = 10_000) -> float:
-    """Mean flow-matching loss on fixed held-out batches, fixed noise and fixed sigmas."""
+def validation_loss(
+    model, *, batches: int = 4, batch_size: int = 32, seed: int = 10_000, size: int = IMAGE_SIZE
+) -> float:
+    """Mean flow-matching loss on fixed held-out batches (images `size` px), fixed noise and sigmas."""
     total = 0.0
     for index in range(batches):
-        batch = make_batch(batch_size, seed=seed + index)
+        batch = make_batch(batch_size, seed=seed + index, size=size)
         total += batch_loss(model, batch, generator=torch.Generator().manual_seed(seed + index)).item()
     return total / batches

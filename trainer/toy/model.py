@@ -1,9 +1,11 @@
 """The toy base model: a miniature SD3.5-Medium MMDiT, its shipped weights, and a flow-matching sampler.
 
-The architecture keeps everything that makes SD3.5 Medium what it is (q/k RMSNorm, image-only
+The architecture keeps everything the conversion depends on in SD3.5 Medium (q/k RMSNorm, image-only
 `attn2` in the first half of the blocks, patch 2, 16 latent channels, a `context_pre_only` last
-block) and keeps ComfyUI's constraint head_dim = 64, heads = depth: 3 blocks of 3 heads x 64
-(hidden 192). The shipped file uses the original SD3 checkpoint naming (`joint_blocks.*`,
+block) and keeps ComfyUI's constraint head_dim = 64, heads = depth: 4 blocks of 4 heads x 64
+(hidden 256), attn2 on blocks 0-1, so 6 attention modules of which `paper` converts 3 (SD3.5
+Medium: 18 of 37). At the default 48 px the image has 144 tokens; the positional table reaches
+96 px (576 tokens). The shipped file uses the original SD3 checkpoint naming (`joint_blocks.*`,
 `x_embedder`, `context_embedder`, ...), so ComfyUI detects it as an SD3 diffusion model; diffusers
 loads it with `from_single_file` and the local `weights/config.json`, or through
 `t5core.sd3_keys`, which `load_toy_base` uses.
@@ -22,7 +24,8 @@ from torch import Tensor
 
 from t5core.config import BaseArch
 from t5core.sd3_keys import sd3_to_diffusers
-from trainer.toy.data import JOINT_ATTENTION_DIM, LATENT_CHANNELS, POOLED_DIM, embed_captions
+from trainer.losses import predict_velocity
+from trainer.toy.data import IMAGE_SIZE, JOINT_ATTENTION_DIM, LATENT_CHANNELS, POOLED_DIM, embed_captions
 
 if TYPE_CHECKING:
     from diffusers import SD3Transformer2DModel
@@ -49,9 +52,9 @@ WEIGHTS_FILE = WEIGHTS_DIR / "toy_sd35.safetensors"
 RECORD_FILE = WEIGHTS_DIR / "toy_sd35.json"
 """How the shipped teacher was made and its measured ToyEval."""
 
-TOY_DEPTH = 3
+TOY_DEPTH = 4
 TOY_CONFIG: dict[str, object] = {
-    "sample_size": 16,
+    "sample_size": IMAGE_SIZE // 2,
     "patch_size": 2,
     "in_channels": LATENT_CHANNELS,
     "out_channels": LATENT_CHANNELS,
@@ -61,19 +64,19 @@ TOY_CONFIG: dict[str, object] = {
     "joint_attention_dim": JOINT_ATTENTION_DIM,
     "caption_projection_dim": 64 * TOY_DEPTH,
     "pooled_projection_dim": POOLED_DIM,
-    "pos_embed_max_size": 32,
+    "pos_embed_max_size": 24,
     "dual_attention_layers": tuple(range((TOY_DEPTH + 1) // 2)),
     "qk_norm": "rms_norm",
 }
 """diffusers `SD3Transformer2DModel` config of the toy (written as `weights/config.json`)."""
 
 TOY_SHIFT = 1.0
-"""Sampling shift of the toy (SD3 uses 3.0 at 1024 px; a 32 px toy needs none). In ComfyUI put
+"""Sampling shift of the toy (SD3 uses 3.0 at 1024 px; a 48 px toy needs none). In ComfyUI put
 ModelSamplingSD3(shift=1.0) after the loader."""
 
 
 def toy_arch() -> BaseArch:
-    """The toy's `t5core.config.BaseArch` (3 blocks, 3 heads x 64, attn2 on 0-1, qk norm)."""
+    """The toy's `t5core.config.BaseArch` (4 blocks, 4 heads x 64, attn2 on 0-1, qk norm)."""
     return BaseArch(
         depth=TOY_DEPTH,
         heads=TOY_DEPTH,
@@ -149,14 +152,6 @@ def sigma_schedule(steps: int, *, shift: float = TOY_SHIFT) -> Tensor:
     return (shift * s / (1 + (shift - 1) * s)).float()
 
 
-def _velocity(model, x: Tensor, sigma: Tensor, context: Tensor, pooled: Tensor) -> Tensor:
-    timestep = sigma.expand(x.shape[0]).to(x.dtype) * 1000
-    out = model(
-        hidden_states=x, encoder_hidden_states=context, pooled_projections=pooled, timestep=timestep, return_dict=False
-    )
-    return out[0]
-
-
 @torch.no_grad()
 def sample(
     model, cond: ToyCond, noise: Tensor, steps: int = 20, cfg: float = 3.0, *, shift: float = TOY_SHIFT
@@ -190,9 +185,12 @@ def sample(
     sigmas = sigma_schedule(steps, shift=shift)
     for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:], strict=True):
         if guided:
-            v_cond, v_uncond = _velocity(model, torch.cat([x, x]), sigma, context, pooled).chunk(2)
+            x_both = torch.cat([x, x])
+            v_cond, v_uncond = predict_velocity(
+                model, x_both, sigma.expand(len(x_both)), context=context, pooled=pooled
+            ).chunk(2)
             velocity = v_uncond + cfg * (v_cond - v_uncond)
         else:
-            velocity = _velocity(model, x, sigma, context, pooled)
+            velocity = predict_velocity(model, x, sigma.expand(len(x)), context=context, pooled=pooled)
         x = x + (sigma_next - sigma).to(dtype) * velocity
     return x.to(noise.dtype)

@@ -1,10 +1,13 @@
 """Pretrain the toy's softmax teacher with the flow-matching loss and ship its weights.
 
-    python -m trainer.toy.pretrain                # about 10 minutes on 2 CPU cores
+    python -m trainer.toy.pretrain                # about 30 minutes on 2 CPU cores
     python -m trainer.toy.pretrain --steps 50     # a quick smoke run
 
-It trains a fresh toy MMDiT on freshly drawn batches (each step's batch, noise and sigmas are fixed
-by the seed, so a run is reproducible), keeps an EMA of the weights, writes the EMA weights in SD3
+It trains a fresh toy MMDiT on freshly drawn batches with the trainer's parts: the flow-matching loss
+(`trainer.toy.eval.batch_loss` on `trainer.losses`), the warm-up + cosine schedule
+(`trainer.optim.build_scheduler`), the seed streams (`trainer.distributed.derived_seed`: each step's
+batch, noise and sigmas are fixed by the seed, so a run is reproducible) and the progress bar. It keeps
+an EMA of the weights, writes the EMA weights in SD3
 checkpoint naming (fp16, atomically) with `config.json` beside them, reloads that file and records
 the teacher's ToyEval and validation loss in `toy_sd35.json`.
 """
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +23,10 @@ from pathlib import Path
 import torch
 
 from t5core.sd3_keys import diffusers_to_sd3
+from trainer.config import OptimConfig
+from trainer.distributed import derived_seed
+from trainer.metrics import Progress
+from trainer.optim import build_scheduler
 from trainer.toy._io import write_json_atomic, write_safetensors_atomic
 from trainer.toy.data import make_batch
 from trainer.toy.eval import batch_loss, eval_set, sample_hits, toy_eval, validation_loss
@@ -38,7 +44,7 @@ class PretrainConfig:
     """The teacher's recipe (recorded next to the weights).
 
     Parameters:
-        steps (`int`, defaults to 2400): optimizer steps, one fresh batch each.
+        steps (`int`, defaults to 2000): optimizer steps, one fresh batch each.
         batch_size (`int`, defaults to 32): samples per step.
         lr (`float`, defaults to 1e-3): AdamW peak learning rate (linear warm-up, cosine to 10 %).
         warmup (`int`, defaults to 100): warm-up steps.
@@ -51,7 +57,7 @@ class PretrainConfig:
         eval_cfg (`float`, defaults to 3.0): guidance scale for ToyEval.
     """
 
-    steps: int = 2400
+    steps: int = 2000
     batch_size: int = 32
     lr: float = 1e-3
     warmup: int = 100
@@ -72,38 +78,40 @@ class PretrainConfig:
             raise ValueError(f"--ema must be in [0, 1); got {self.ema}.")
 
 
-def _lr_factor(step: int, cfg: PretrainConfig) -> float:
-    if step < cfg.warmup:
-        return (step + 1) / cfg.warmup
-    progress = (step - cfg.warmup) / max(cfg.steps - cfg.warmup, 1)
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+def _optim_config(cfg: PretrainConfig) -> OptimConfig:
+    return OptimConfig(
+        lr=cfg.lr, beta2=0.99, warmup_steps=cfg.warmup, schedule="cosine", min_lr_ratio=0.1, grad_clip=1.0
+    )
 
 
 def train_teacher(cfg: PretrainConfig, *, progress: bool = True):
     """Train a fresh toy model; returns the EMA model (float32, eval mode) and the last loss."""
-    from tqdm import tqdm
-
+    optim = _optim_config(cfg)
     model = build_toy_model(seed=cfg.seed).train()
     ema = build_toy_model(seed=cfg.seed).eval().requires_grad_(False)
     ema.load_state_dict(model.state_dict())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, cfg))
-    bar = tqdm(range(cfg.steps), desc="pretrain toy teacher", disable=not progress, mininterval=2.0)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay
+    )
+    scheduler = build_scheduler(optimizer, optim, steps=cfg.steps)
+    bar = Progress(total=cfg.steps, initial=0, enabled=progress)
     loss_value = float("nan")
-    for step in bar:
-        batch = make_batch(cfg.batch_size, seed=cfg.seed * 1_000_003 + step, drop_text=cfg.drop_text)
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step + 500_000_000)
-        loss = batch_loss(model, batch, generator=gen)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        with torch.no_grad():
-            for target, source in zip(ema.parameters(), model.parameters(), strict=True):
-                target.lerp_(source, 1.0 - cfg.ema)
-        loss_value = loss.item()
-        bar.set_postfix(loss=f"{loss_value:.4f}", refresh=False)
+    try:
+        for step in range(cfg.steps):
+            batch = make_batch(cfg.batch_size, seed=derived_seed(cfg.seed, "toy-batch", step), drop_text=cfg.drop_text)
+            generator = torch.Generator().manual_seed(derived_seed(cfg.seed, "noise", step))
+            loss = batch_loss(model, batch, generator=generator)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            with torch.no_grad():
+                torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1.0 - cfg.ema)
+            loss_value = loss.item()
+            bar.update(loss_value)
+    finally:
+        bar.close()
     return ema, loss_value
 
 

@@ -1,0 +1,100 @@
+"""The toy as a trainer model preset (`--model.base toy`): its model, data source and evaluation.
+
+Importing this module registers the preset (`trainer.presets`); the trainer imports it the first
+time it looks the name up.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from trainer.config import DataConfig
+from trainer.data import Batch
+from trainer.distributed import World
+from trainer.presets import ModelPreset, register_preset
+from trainer.toy import data as toy_data
+from trainer.toy.model import TOY_SHIFT, WEIGHTS_FILE, load_toy_base
+
+__all__ = ["TOY_PRESET", "ToySource", "evaluate_toy"]
+
+logger = logging.getLogger(__name__)
+
+
+class ToySource:
+    """The toy's procedural captioned shapes (`trainer.toy.data`): sample i is `make_batch(1, seed=i)`."""
+
+    def __init__(self, samples: int, *, size: int, seed_offset: int = 0) -> None:
+        self.samples, self.size, self.seed_offset = samples, size, seed_offset
+        latent = size // 2
+        self._buckets = {(latent, latent): list(range(samples))}
+
+    def buckets(self) -> dict[tuple[int, int], list[int]]:
+        return self._buckets
+
+    def load(self, indices: list[int]) -> Batch:
+        parts = [toy_data.make_batch(1, seed=self.seed_offset + index, size=self.size) for index in indices]
+        return Batch(
+            torch.cat([p.latents for p in parts]),
+            torch.cat([p.encoder_hidden_states for p in parts]),
+            torch.cat([p.pooled_projections for p in parts]),
+        )
+
+    def uncond(self) -> tuple[Tensor, Tensor]:
+        context, pooled = toy_data.embed_captions([""])
+        return context[0], pooled[0]
+
+
+def evaluate_toy(
+    student: nn.Module, output: Path, world: World, *, samples: int, sharded: bool
+) -> dict[str, Any] | None:
+    """ToyEval of the softmax teacher and the trained student on rank 0: `toy_eval.md` and `grid.png`
+    (teacher rows above student rows, same captions and noise) in the run folder, and the numbers
+    for the run report (None when skipped).
+
+    A model sharded over several processes (FSDP2) cannot run on rank 0 alone; then the
+    evaluation is skipped with a note, and the exported file can be evaluated instead.
+    """
+    if samples == 0 or not world.is_main:
+        return None
+    if sharded and world.world_size > 1:
+        logger.info("ToyEval skipped: the student is sharded over %d processes (FSDP2)", world.world_size)
+        return None
+    from trainer.toy.report import compare, write_grid
+
+    student.eval()
+    comparison = compare(load_toy_base().to(world.device), student, count=samples)
+    (output / "toy_eval.md").write_text(comparison.table() + "\n", encoding="utf-8")
+    write_grid(output / "grid.png", comparison)
+    logger.info(
+        "ToyEval: teacher %.3f, T5 student %.3f (overall); wrote %s and %s",
+        comparison.teacher_score.overall,
+        comparison.student_score.overall,
+        output / "toy_eval.md",
+        output / "grid.png",
+    )
+    return comparison.as_dict()
+
+
+def _source(data: DataConfig) -> ToySource:
+    return ToySource(data.toy_samples, size=data.resolution or toy_data.IMAGE_SIZE)
+
+
+TOY_PRESET = register_preset(
+    ModelPreset(
+        name="toy",
+        description="the built-in toy SD3.5-Medium-like model",
+        data_source="toy",
+        resolution=toy_data.IMAGE_SIZE,
+        load_base=lambda: load_toy_base().requires_grad_(True),
+        weight_files=lambda: {WEIGHTS_FILE.name: WEIGHTS_FILE},
+        build_source=_source,
+        evaluate=evaluate_toy,
+        card_note=f"The toy model samples with `ModelSamplingSD3` shift {TOY_SHIFT} and its own captions; "
+        "see docs/toy.md.",
+    )
+)
