@@ -1,15 +1,17 @@
 """Ablations of T5 on the built-in toy: one recipe and budget for every row, three seeds, ToyEval and val loss.
 
-    python -m benchmarks.ablations                          # every row, seeds 0 1 2 (about 70 min on 2 cores)
+    python -m benchmarks.ablations                          # every row, seeds 0 1 2 (about 75 min on 2 cores)
     python -m benchmarks.ablations --rows t5 no-keynorm --seeds 0 --steps 20 --eval-count 12
 
 Each row starts from the shipped softmax teacher (`trainer/toy/weights`), converts it with
 `t5core.hosts.diffusers.linearize` (or keeps softmax, or swaps in plain linear attention), then
 fine-tunes every parameter for the same number of steps on the same batches with the trainer's
-recipe parts: the loss of `trainer.losses` (flow matching, plus distillation from the frozen teacher
-where the row says so), AdamW with the new parameters (T5 fast weights and convs, and re-initialised
-projections) at `--new-lr-mult` times the inherited rate, and `trainer.optim.build_scheduler`
-(warm-up, then cosine). The seed fixes the T5 initialisation and the fine-tune batches.
+recipe parts and, unless flags change it, the default toy run's recipe (`python trainer/run.py`:
+steps, batch, caption dropout and `OptimConfig`): the loss of `trainer.losses` (flow matching, plus
+distillation from the frozen teacher where the row says so), AdamW with the new parameters (T5 fast
+weights and convs, and re-initialised projections) at `new_lr_mult` times the inherited rate, and
+`trainer.optim.build_scheduler` (warm-up, then cosine). The seed fixes the T5 initialisation and the
+fine-tune batches.
 
 Besides ToyEval at the training size (48 px, 144 image tokens) every run reports the validation
 loss at 4x the tokens (96 px, 576 tokens); `--wide-rows` also get ToyEval at 96 px, where the paper
@@ -24,7 +26,7 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 import torch
@@ -32,7 +34,7 @@ from torch import nn
 
 from benchmarks.timing import RESULTS_DIR, header_line, write_json
 from t5core.hosts.diffusers import linearize
-from trainer.config import LossConfig, OptimConfig
+from trainer.config import LossConfig, OptimConfig, TrainConfig
 from trainer.distributed import derived_seed
 from trainer.optim import build_scheduler
 from trainer.toy.baselines import PlainLinearAttention, reinit_inherited
@@ -60,6 +62,10 @@ class Row:
     inherit: bool = True
     finetune: bool = True
     distill: bool = False
+    new_lr_mult: float | None = None
+    """Replaces the recipe's new-parameter multiplier (None keeps it)."""
+    schedule: Literal["constant", "cosine"] | None = None
+    """Replaces the recipe's schedule after warm-up (None keeps it)."""
 
 
 ROWS: tuple[Row, ...] = (
@@ -74,23 +80,36 @@ ROWS: tuple[Row, ...] = (
     Row("mlp", "T5 with the mlp inner model", variant="mlp"),
     Row("linear-attn", "plain linear attention (elu+1), inherited q/k/v", attention="linear"),
     Row("all", "T5 with the `all` layer spec (every attention module)", layers="all"),
+    Row("new-x10", "T5 full, new parameters at 10x instead of 20x", new_lr_mult=10.0),
+    Row("constant-lr", "T5 full, constant learning rate after warm-up instead of cosine", schedule="constant"),
 )
 
 
 @dataclass(frozen=True, slots=True)
 class Budget:
-    """The one recipe every fine-tuned row gets."""
+    """The one recipe every fine-tuned row gets: by default the trainer's own (`python trainer/run.py`)."""
 
     steps: int
     batch_size: int
-    lr: float
-    new_lr_mult: float
-    warmup: int
+    caption_dropout: float
+    optim: OptimConfig
     distill_weight: float
 
-    def optim(self) -> OptimConfig:
-        return OptimConfig(
-            lr=self.lr, new_lr_mult=self.new_lr_mult, warmup_steps=self.warmup, schedule="cosine", beta2=0.99
+    @classmethod
+    def trainer_default(cls, **changes: float) -> Budget:
+        """The default toy run's recipe (`TrainConfig()`), with `changes` to `steps`, `batch_size`, `lr`,
+        `new_lr_mult`, `warmup_steps` or `distill_weight` (None keeps the default)."""
+        config = TrainConfig()
+        changes = {name: value for name, value in changes.items() if value is not None}
+        optim = replace(
+            config.optim, **{k: changes.pop(k) for k in ("lr", "new_lr_mult", "warmup_steps") if k in changes}
+        )
+        return cls(
+            steps=int(changes.pop("steps", config.training.steps)),
+            batch_size=int(changes.pop("batch_size", config.training.batch_size)),
+            caption_dropout=config.data.caption_dropout,
+            optim=optim,
+            distill_weight=float(changes.pop("distill_weight", 1.0)),
         )
 
 
@@ -120,22 +139,27 @@ def build(row: Row, seed: int) -> tuple[nn.Module, list[nn.Parameter], tuple[str
 
 
 def finetune(
-    model: nn.Module, new: list[nn.Parameter], budget: Budget, *, seed: int, teacher: nn.Module | None
+    model: nn.Module, new: list[nn.Parameter], budget: Budget, *, seed: int, teacher: nn.Module | None, row: Row
 ) -> float:
     """Fine-tune every parameter with the trainer's loss and schedule; returns the last training loss."""
-    optim = budget.optim()
+    changes = {"new_lr_mult": row.new_lr_mult, "schedule": row.schedule}
+    optim = replace(budget.optim, **{name: value for name, value in changes.items() if value is not None})
     new_ids = {id(p) for p in new}
     inherited = [p for p in model.parameters() if id(p) not in new_ids]
     groups = [{"params": inherited, "lr": optim.lr * optim.inherited_lr_mult}]
     if new:
         groups.append({"params": new, "lr": optim.lr * optim.new_lr_mult})
-    optimizer = torch.optim.AdamW(groups, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay)
+    optimizer = torch.optim.AdamW(
+        groups, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay
+    )
     scheduler = build_scheduler(optimizer, optim, steps=budget.steps)
     loss_config = LossConfig(distill_weight=budget.distill_weight if teacher is not None else 0.0)
     model.train()
     loss_value = float("nan")
     for step in range(budget.steps):
-        batch = make_batch(budget.batch_size, seed=derived_seed(seed, "ablation-batch", step), drop_text=0.1)
+        batch = make_batch(
+            budget.batch_size, seed=derived_seed(seed, "ablation-batch", step), drop_text=budget.caption_dropout
+        )
         generator = torch.Generator().manual_seed(derived_seed(seed, "ablation-noise", step))
         loss = batch_loss(model, batch, generator=generator, config=loss_config, teacher=teacher)
         optimizer.zero_grad(set_to_none=True)
@@ -163,7 +187,7 @@ def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_images: 
     start = time.perf_counter()
     model, new, names = build(row, seed)
     teacher = load_toy_base() if row.distill else None
-    final_loss = finetune(model, new, budget, seed=seed, teacher=teacher) if row.finetune else float("nan")
+    final_loss = finetune(model, new, budget, seed=seed, teacher=teacher, row=row) if row.finetune else float("nan")
     train_seconds = time.perf_counter() - start
     with torch.no_grad():
         score, images = toy_eval(model, count=plan.count)
@@ -195,8 +219,9 @@ def summarise(rows: tuple[Row, ...], results: list[dict], budget: Budget, seeds:
     """A markdown table: one line per row, mean ± sd over seeds."""
     lines = [
         header_line(),
-        f"toy ablations: {budget.steps} fine-tune steps x batch {budget.batch_size} per row, lr {budget.lr:g} "
-        f"(new x{budget.new_lr_mult:g}), {budget.warmup} warm-up steps then cosine, seeds {seeds}",
+        f"toy ablations: {budget.steps} fine-tune steps x batch {budget.batch_size} per row, lr {budget.optim.lr:g} "
+        f"(new x{budget.optim.new_lr_mult:g}), {budget.optim.warmup_steps} warm-up steps then "
+        f"{budget.optim.schedule}, seeds {seeds}",
         "",
         "| row | what | modules | ToyEval overall | shape | size | val loss | val loss 4x tokens "
         "| ToyEval 4x tokens | dist. to teacher |",
@@ -231,19 +256,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", default=[r.name for r in ROWS], choices=[r.name for r in ROWS])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=120, help="fine-tune steps per row (the same for every row)")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=1e-4, help="learning rate of the inherited weights")
-    parser.add_argument("--new-lr-mult", type=float, default=20.0, help="new parameters' rate / inherited rate")
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--distill-weight", type=float, default=1.0, help="distillation weight of `distill` rows")
+    # Unset recipe flags keep the default toy run's recipe (trainer/config.py), so rows compare with it.
+    parser.add_argument("--steps", type=int, help="fine-tune steps per row (the same for every row)")
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--lr", type=float, help="learning rate of the inherited weights")
+    parser.add_argument("--new-lr-mult", type=float, help="new parameters' rate / inherited rate")
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--distill-weight", type=float, help="distillation weight of `distill` rows (default 1)")
     parser.add_argument("--eval-count", type=int, default=180, help="ToyEval samples (180 = every caption once)")
     parser.add_argument("--wide-count", type=int, default=60, help="ToyEval samples at 4x the tokens")
     parser.add_argument("--wide-rows", nargs="*", default=["teacher", "t5", "no-keynorm"])
     parser.add_argument("--json", default="ablations", help="name of the JSON file under benchmarks/results/")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    budget = Budget(args.steps, args.batch_size, args.lr, args.new_lr_mult, args.warmup, args.distill_weight)
+    budget = Budget.trainer_default(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        new_lr_mult=args.new_lr_mult,
+        warmup_steps=args.warmup,
+        distill_weight=args.distill_weight,
+    )
     plan = EvalPlan(args.eval_count, args.wide_count, tuple(args.wide_rows))
     rows = tuple(r for r in ROWS if r.name in args.rows)
     teacher_score, teacher_images = toy_eval(load_toy_base(), count=plan.count)
@@ -263,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             write_json(args.json, results, meta={**meta, "partial": True})
-    table = summarise(rows, results, budget, args.seeds)
+    table = summarise(ROWS, results, budget, sorted({r["seed"] for r in results}))
     print(table)
     write_json(args.json, results, meta={**meta, "teacher_toyeval": teacher_score.as_dict(), "table": table})
     return 0

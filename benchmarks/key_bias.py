@@ -7,7 +7,10 @@ random initialisation): keys that share a large common direction are harmless in
 shared part cancels, but dominate linear attention's state. For each attention module the image keys
 are taken after the q/k RMSNorm, as attention sees them; per sample and head, r is the norm of the
 mean key over tokens divided by the mean key norm, then averaged over samples and heads. Inputs are
-fixed toy batches noised at sigma 0.25, 0.5 and 0.75.
+fixed toy batches noised at sigma 0.25, 0.5 and 0.75, and pure noise (sigma 1), where the image
+tokens share nothing but their captions: a toy image is mostly flat black background, whose patches
+are one and the same latent vector, so noised images carry a common key direction from the data
+alone, whatever the weights.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from trainer.toy.model import build_toy_model, load_toy_base
 logger = logging.getLogger(__name__)
 
 SIGMAS = (0.25, 0.5, 0.75)
+PURE_NOISE = (1.0,)
 
 
 def key_bias_ratio(keys: Tensor) -> float:
@@ -35,8 +39,10 @@ def key_bias_ratio(keys: Tensor) -> float:
     return (mean_norm / norm_mean.clamp_min(1e-12)).mean().item()
 
 
-def module_ratios(model: nn.Module, *, samples: int, seed: int = 0) -> dict[str, float]:
-    """r of every attention module's image keys (`transformer_blocks.{i}.attn` / `.attn2`)."""
+def module_ratios(
+    model: nn.Module, *, samples: int, sigmas: tuple[float, ...] = SIGMAS, seed: int = 0
+) -> dict[str, float]:
+    """r of every attention module's image keys (`blocks.{i}.attn` / `.attn2`), mean over `sigmas`."""
     captured: dict[str, list[float]] = {}
     hooks = []
     for name, module in model.named_modules():
@@ -52,7 +58,7 @@ def module_ratios(model: nn.Module, *, samples: int, seed: int = 0) -> dict[str,
     noise = torch.randn(batch.latents.shape, generator=generator)
     try:
         with torch.no_grad():
-            for sigma in SIGMAS:
+            for sigma in sigmas:
                 sigmas = torch.full((samples,), sigma)
                 x_t = add_noise(batch.latents, noise, sigmas)
                 predict_velocity(
@@ -70,25 +76,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="key_bias")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    trained = module_ratios(load_toy_base(), samples=args.samples)
-    random_init = module_ratios(build_toy_model(seed=0).eval(), samples=args.samples)
+    models = {"trained": load_toy_base(), "random_init": build_toy_model(seed=0).eval()}
+    columns = {
+        f"{which}{suffix}": module_ratios(model, samples=args.samples, sigmas=sigmas)
+        for suffix, sigmas in (("", SIGMAS), ("_pure_noise", PURE_NOISE))
+        for which, model in models.items()
+    }
     lines = [
         header_line(),
-        f"key bias r = |mean k| / mean |k| of image keys after q/k norm, {args.samples} samples x sigma {SIGMAS}",
+        f"key bias r = |mean k| / mean |k| of image keys after q/k norm, {args.samples} samples, noised toy "
+        f"images (sigma {', '.join(map(str, SIGMAS))}) and pure noise (sigma 1)",
         "",
-        "| module | teacher (trained) | random init |",
-        "|---|---|---|",
+        "| module | teacher, noised images | random init, noised images | teacher, pure noise "
+        "| random init, pure noise |",
+        "|---|---|---|---|---|",
     ]
+    order = ("trained", "random_init", "trained_pure_noise", "random_init_pure_noise")
     rows = []
-    for name in trained:
-        lines.append(f"| {name} | {trained[name]:.3f} | {random_init[name]:.3f} |")
-        rows.append({"module": name, "trained": trained[name], "random_init": random_init[name]})
-    mean_trained = sum(trained.values()) / len(trained)
-    mean_random = sum(random_init.values()) / len(random_init)
-    lines.append(f"| mean | {mean_trained:.3f} | {mean_random:.3f} |")
+    for name in columns["trained"]:
+        lines.append(f"| {name} | " + " | ".join(f"{columns[c][name]:.3f}" for c in order) + " |")
+        rows.append({"module": name, **{c: columns[c][name] for c in order}})
+    means = [sum(columns[c].values()) / len(columns[c]) for c in order]
+    lines.append("| mean | " + " | ".join(f"{m:.3f}" for m in means) + " |")
     table = "\n".join(lines)
     print(table)
-    write_json(args.json, rows, meta={"samples": args.samples, "sigmas": list(SIGMAS), "table": table})
+    meta = {"samples": args.samples, "sigmas": list(SIGMAS), "pure_noise_sigmas": list(PURE_NOISE), "table": table}
+    write_json(args.json, rows, meta=meta)
     return 0
 
 

@@ -125,9 +125,9 @@ def test_the_model_card_says_what_the_file_is_and_how_to_use_it():
     )
     assert "| layer spec (`--model.layers`) | `joint:0-1` |" in card
     assert "Converted attention modules (2): `blocks.0.attn`, `blocks.0.attn2`." in card
-    assert "| trainable | `attention` |" in card and "| lr of new T5 parameters | `0.002` |" in card
+    assert "| trainable | `attention` |" in card and "| lr of new T5 parameters | `0.004` |" in card
     assert "| precision | `bf16` |" in card and "| steps | `9` |" in card and "| processes | `2 (ddp)` |" in card
-    assert "[training]\nbatch_size = 32\nsteps = 9\n" in card  # the resolved config, whole
+    assert "[training]\nbatch_size = 16\nsteps = 9\n" in card  # the resolved config, whole
     assert "Trained to step 7; stopped: `--training.max_minutes` spent." in card
     assert "* `loss/total`: 0.5123" in card and "lr/new" not in card.split("## Training")[1].split("##")[0]
     assert "None ran in this run" in card

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from trainer.toy.data import IMAGE_SIZE
 from trainer.toy.model import build_toy_model
 from trainer.toy.report import compare, write_grid
 
@@ -23,14 +24,15 @@ def test_compare_same_model_has_zero_distance_and_equal_scores(tmp_path):
     path = write_grid(tmp_path / "grid.png", result, columns=4, scale=2)
     with Image.open(path) as image:
         pixels = torch.from_numpy(np.asarray(image.convert("RGB"))).permute(2, 0, 1).float() / 255
-    # 2 blocks (5 samples, 4 columns) of 64-pixel tiles (32 x 2, 4 pixels apart) after a title margin,
+    # 2 blocks (5 samples, 4 columns) of tiles (image side x 2, 4 pixels apart) after a title margin,
     # each block a caption band, then the teacher's and the student's row; the sample pixels unchanged.
+    tile = 2 * IMAGE_SIZE
     width, height = pixels.shape[2], pixels.shape[1]
-    margin = width - 4 * (64 + 4)
+    margin = width - 4 * (tile + 4)
     assert margin > 0 and height % 2 == 0
     block = height // 2
-    band = block - 2 * 64 - 2 * 4
-    first = pixels[:, band : band + 64 : 2, margin : margin + 64 : 2]
+    band = block - 2 * tile - 2 * 4
+    first = pixels[:, band : band + tile : 2, margin : margin + tile : 2]
     torch.testing.assert_close(first, result.teacher_images[0].clamp(0, 1), atol=1 / 255, rtol=0)
     # the titles and captions are drawn: the margin and the caption band are not blank
     assert pixels[:, band:, :margin].std() > 0 and pixels[:, :band, margin:].std() > 0

@@ -105,7 +105,7 @@ def test_each_group_moves_with_its_own_learning_rate(inputs, tmp_path, trainable
     frozen = [n for n in moved if n not in new and n not in inherited]
     assert new and inherited and frozen
     # The first AdamW step moves each weight by lr * g / (|g| + eps): lr wherever the gradient is not tiny.
-    assert max(moved[n] for n in new) == pytest.approx(lr * 10, rel=1e-3)
+    assert max(moved[n] for n in new) == pytest.approx(lr * config.optim.new_lr_mult, rel=1e-3)
     if inherited_mult:
         assert max(moved[n] for n in inherited) == pytest.approx(lr * inherited_mult, rel=1e-3)
     else:
