@@ -1,6 +1,6 @@
 """Ablations of T5 on the built-in toy: one recipe and budget for every row, three seeds, ToyEval and val loss.
 
-    python -m benchmarks.ablations                          # every row, seeds 0 1 2 (about 75 min on 2 cores)
+    python -m benchmarks.ablations                          # every row, seeds 0 1 2 (about 100 min on 2 cores)
     python -m benchmarks.ablations --rows t5 no-keynorm --seeds 0 --steps 20 --eval-count 12
 
 Each row starts from the shipped softmax teacher (`trainer/toy/weights`), converts it with
