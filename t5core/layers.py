@@ -28,6 +28,7 @@ def paper_joint_tail(depth: int) -> int:
     """
     return max(1, (depth * 5 + 12) // 24)
 
+
 _KINDS = {"joint": "attn", "attn": "attn", "attn2": "attn2"}
 _NAME = re.compile(r"^blocks\.(\d+)\.(attn2?)$")
 _ITEM = re.compile(r"^(joint|attn2?):(\*|\d+(?:-\d+)?)$")
