@@ -96,20 +96,25 @@ class Budget:
     distill_weight: float
 
     @classmethod
-    def trainer_default(cls, **changes: float) -> Budget:
-        """The default toy run's recipe (`TrainConfig()`), with `changes` to `steps`, `batch_size`, `lr`,
-        `new_lr_mult`, `warmup_steps` or `distill_weight` (None keeps the default)."""
+    def trainer_default(
+        cls,
+        *,
+        steps: int | None = None,
+        batch_size: int | None = None,
+        lr: float | None = None,
+        new_lr_mult: float | None = None,
+        warmup_steps: int | None = None,
+        distill_weight: float | None = None,
+    ) -> Budget:
+        """The default toy run's recipe (`TrainConfig()`); an argument given replaces its setting."""
         config = TrainConfig()
-        changes = {name: value for name, value in changes.items() if value is not None}
-        optim = replace(
-            config.optim, **{k: changes.pop(k) for k in ("lr", "new_lr_mult", "warmup_steps") if k in changes}
-        )
+        optim_changes = {"lr": lr, "new_lr_mult": new_lr_mult, "warmup_steps": warmup_steps}
         return cls(
-            steps=int(changes.pop("steps", config.training.steps)),
-            batch_size=int(changes.pop("batch_size", config.training.batch_size)),
+            steps=config.training.steps if steps is None else steps,
+            batch_size=config.training.batch_size if batch_size is None else batch_size,
             caption_dropout=config.data.caption_dropout,
-            optim=optim,
-            distill_weight=float(changes.pop("distill_weight", 1.0)),
+            optim=replace(config.optim, **{k: v for k, v in optim_changes.items() if v is not None}),
+            distill_weight=1.0 if distill_weight is None else distill_weight,
         )
 
 

@@ -123,7 +123,7 @@ class DataConfig:
     """Where `images` / `prompts` write their cache; empty means `<output.dir>/data-cache`."""
     resolution: int = 0
     """Pixel side of the square bucket (the other buckets keep about the same area); 0 = the source's
-    default: 32 for `toy`, 1024 for `images` and `prompts`."""
+    default: 48 for `toy`, 1024 for `images` and `prompts`."""
     buckets: str = "1:1,4:3,3:4,16:9,9:16"
     """Aspect-ratio buckets (`w:h`, comma-separated); each image goes to the nearest one."""
     pipeline: str = ""

@@ -4,7 +4,7 @@ registers its models.
 A preset supplies what a base otherwise gets from files: the softmax model, its own training data,
 its evaluation, the weight files the model card hashes and a note for the card. The trainer looks a
 base up here and uses what it finds; it never compares base names itself. Built-in presets are
-imported on first lookup, so naming a file as the base never imports a preset's code.
+imported on first lookup (`get_preset`, or `preset_data_sources` when a config is checked).
 
     register_preset(ModelPreset(name="my-toy", ...))
     preset = get_preset(config.model.base)        # None for files, folders and Hub repo ids
@@ -35,10 +35,10 @@ class ModelPreset:
         name (`str`): what `--model.base` gives.
         description (`str`): how the model card names it ("the built-in toy ...").
         data_source (`str`): the `--data.source` that trains it (and no other base).
-        resolution (`int`): pixel side of its data when `--data.resolution` is 0.
         load_base (`Callable[[], nn.Module]`): the softmax model, fp32, eval mode, on CPU.
         weight_files (`Callable[[], dict[str, Path]]`): file name -> path of its weights (hashed on the card).
-        build_source (`Callable[[DataConfig], Source]`): its training data.
+        build_source (`Callable[[DataConfig], Source]`): its training data (at its own default size
+            when `--data.resolution` is 0).
         evaluate (`Callable`): `evaluate(student, output, world, samples=, sharded=)` -> numbers for
             the run report, or None when skipped.
         card_note (`str`): a closing line for the model card (how to sample it).
@@ -47,7 +47,6 @@ class ModelPreset:
     name: str
     description: str
     data_source: str
-    resolution: int
     load_base: Callable[[], nn.Module]
     weight_files: Callable[[], dict[str, Path]]
     build_source: Callable[[DataConfig], Source]

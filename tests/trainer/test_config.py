@@ -80,6 +80,12 @@ def test_bad_config_file_names_the_problem(tmp_path, toml, error, match):
         pytest.param(
             ["--data.source", "cache", "--data.path", "x"], r"--data.source: the toy base trains", id="toy-mix"
         ),
+        pytest.param(
+            ["--model.base", "/models/sd35m", "--data.source", "toy"],
+            r"--data.source: --data.source 'toy' belongs to a built-in model",
+            id="toy-data-for-a-real-base",
+        ),
+        pytest.param(["--optim.min_lr_ratio", "1.5"], r"--optim.min_lr_ratio: must be in \[0, 1\]", id="lr-floor"),
         pytest.param(["--output.name", "t5.pt"], r"--output.name: must end in .safetensors", id="name"),
     ],
 )

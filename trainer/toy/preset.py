@@ -89,7 +89,6 @@ TOY_PRESET = register_preset(
         name="toy",
         description="the built-in toy SD3.5-Medium-like model",
         data_source="toy",
-        resolution=toy_data.IMAGE_SIZE,
         load_base=lambda: load_toy_base().requires_grad_(True),
         weight_files=lambda: {WEIGHTS_FILE.name: WEIGHTS_FILE},
         build_source=_source,
