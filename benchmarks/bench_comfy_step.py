@@ -104,7 +104,9 @@ def parse_args(depth: int) -> argparse.Namespace:
     if not 1 <= args.blocks <= depth:
         parser.error(f"--blocks must be 1-{depth}; got {args.blocks}.")
     args.comfyui = args.comfyui.expanduser() if args.comfyui else comfy_env.locate()
-    if args.comfyui is None or not (args.comfyui / "comfy" / "model_patcher.py").is_file():
+    if args.comfyui is None:
+        parser.error(f"pass --comfyui; {comfy_env.not_found_message()}")
+    if not (args.comfyui / "comfy" / "model_patcher.py").is_file():
         parser.error(f"{args.comfyui} is not a ComfyUI tree; pass --comfyui or set COMFYUI_PATH.")
     return args
 

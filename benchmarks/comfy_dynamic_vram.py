@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tree = args.comfyui or comfy_env.locate()
     if tree is None:
-        parser.error("no ComfyUI tree found: pass --comfyui or set COMFYUI_PATH")
+        parser.error(f"pass --comfyui; {comfy_env.not_found_message()}")
     cuda = torch.cuda.is_available()
     print(header_line())
     with tempfile.TemporaryDirectory(prefix="t5-dynamic-vram-") as temp:

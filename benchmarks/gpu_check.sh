@@ -22,9 +22,9 @@
 # and run with carry [".whl"]. Without it the bench stage fails at the model step, after its
 # attention table.
 #
-# The comfy stage runs the ComfyUI tree in $COMFYUI_TREE (default .comfyui/0.33.0, a copy of
-# ../shared/comfyui/0.33.0: `mkdir -p .comfyui && cp -r ../shared/comfyui/0.33.0 .comfyui/`, with
-# `echo /.comfyui/ >> .git/info/exclude`; 31 MB) and needs ComfyUI 0.33.0's requirements that the
+# The comfy stage runs the ComfyUI tree in $COMFYUI_TREE (default .comfyui/0.33.0, a copy of this
+# machine's ~/comfy/0.33.0, README.md 'Tests': `mkdir -p .comfyui && cp -r ~/comfy/0.33.0 .comfyui/`,
+# with `echo /.comfyui/ >> .git/info/exclude`; 31 MB) and needs ComfyUI 0.33.0's requirements that the
 # device image lacks, as wheels in .whl (the same pip download, one NAME==VERSION each; at least
 # comfyui-frontend-package, comfy-aimdo, comfy-kitchen, aiohttp and its deps, torchsde, einops,
 # av, alembic, SQLAlchemy, simpleeval, blake3: compare with the image's pip list in the device

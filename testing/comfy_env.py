@@ -1,11 +1,12 @@
 """ComfyUI in this process for the tests and benchmarks that need it (DESIGN.md section 6).
 
-ComfyUI is not a PyPI package. It is looked up in this order: `COMFYUI_PATH`, an enclosing ComfyUI
-(this repository inside `custom_nodes/`), `~/comfy/ComfyUI` (comfy-cli's default workspace), then
-the project's own test tree `../shared/comfyui/0.33.0` beside the checkout (every project machine
-and CI has it; `.ci/run` names each tree through `COMFYUI_PATH`). Nothing found: the tests skip
-with that explanation. A tree that is found but cannot be imported, or that does not load this
-node pack, is a failure with its reason.
+ComfyUI is on no package registry and is never committed (upstream GPL code), so each machine
+unpacks its trees outside every repository. A tree is looked up in this order (`candidate_trees`):
+`COMFYUI_PATH`, an enclosing ComfyUI (this repository inside `custom_nodes/`), `~/comfy/0.33.0`
+(current), `~/comfy/0.3.64` (the floor the pack claims), `~/comfy/ComfyUI` (comfy-cli's default
+workspace). `.ci/run` names each tree it finds through `COMFYUI_PATH`. Nothing found: the tests
+skip with `not_found_message()`, which says how to get a tree. A tree that is found but cannot be imported,
+or that does not load this node pack, is a failure with its reason.
 
 The tests use only ComfyUI APIs that both the floor (0.3.64) and the current tree (0.33.0) have;
 where a signature changed between them, the helpers here adapt (`run_prompt`).
@@ -32,8 +33,6 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TESTING_NODES = Path(__file__).resolve().parent / "comfy_testing_nodes.py"
 """A test-only node pack (`T5TestConditioning`), loaded beside this one."""
-DEFAULT_TREE = Path.home() / "comfy" / "ComfyUI"
-SHARED_TREE = REPO_ROOT.parent / "shared" / "comfyui" / "0.33.0"
 
 
 @dataclass(frozen=True)
@@ -58,6 +57,22 @@ def _is_tree(path: Path) -> bool:
     return all((path / name).is_file() for name in ("main.py", "nodes.py", "folder_paths.py", "comfy/model_patcher.py"))
 
 
+def candidate_trees() -> tuple[Path, ...]:
+    """Where a tree is looked for after `COMFYUI_PATH` and an enclosing ComfyUI, in this order."""
+    home = Path.home() / "comfy"
+    return home / "0.33.0", home / "0.3.64", home / "ComfyUI"
+
+
+def not_found_message() -> str:
+    """Why the ComfyUI tests skip on a machine without a tree, and how to get one."""
+    current, floor, _ = candidate_trees()
+    return (
+        f"ComfyUI not found, so the ComfyUI tests skip. Get a tree: `git clone https://github.com/Comfy-Org/ComfyUI "
+        f"{current} && git -C {current} checkout v0.33.0` (and v0.3.64, the floor, into {floor}), or set "
+        "COMFYUI_PATH to a ComfyUI tree, or put this repository in ComfyUI/custom_nodes/ (README.md, 'Tests')."
+    )
+
+
 def locate() -> Path | None:
     """The ComfyUI tree to test against, or None when there is none.
 
@@ -75,7 +90,15 @@ def locate() -> Path | None:
     for parent in REPO_ROOT.parents:
         if parent.name == "custom_nodes" and _is_tree(parent.parent):
             return parent.parent
-    return next((tree for tree in (DEFAULT_TREE, SHARED_TREE) if _is_tree(tree)), None)
+    return next((tree for tree in candidate_trees() if _is_tree(tree)), None)
+
+
+def require_tree() -> Path:
+    """The tree `locate` finds; skips the calling test with `not_found_message()` when there is none."""
+    tree = locate()
+    if tree is None:
+        pytest.skip(not_found_message())
+    return tree
 
 
 def _load_pack(nodes: ModuleType, path: Path) -> None:
@@ -155,12 +178,7 @@ def comfy_env(base_dir: Path) -> ComfyEnv:
     global _ENV
     if _ENV is not None:
         return _ENV
-    root = locate()
-    if root is None:
-        pytest.skip(
-            f"ComfyUI not found: set COMFYUI_PATH, put this repository in ComfyUI/custom_nodes/, or install "
-            f"ComfyUI at {DEFAULT_TREE} (comfy-cli's default workspace) or {SHARED_TREE}."
-        )
+    root = require_tree()
     _check_nodes_not_shadowed(root)
     try:
         nodes = import_comfy(root, base_dir, cpu=not torch.cuda.is_available())

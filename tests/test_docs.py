@@ -253,13 +253,13 @@ def test_readme_keeps_the_ci_test_commands():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     for command in (
         "pip install torch==2.11.0 torchvision==0.26.0 torchaudio==2.11.0",
-        "grep -vE '^(torch|torchvision|torchaudio)([<>=~ ]|$)' ../shared/comfyui/0.33.0/requirements.txt > comfy-req.txt",  # noqa: E501
-        "pip install -r comfy-req.txt",  # noqa: E501
+        "grep -vE '^(torch|torchvision|torchaudio)([<>=~ ]|$)' ~/comfy/0.33.0/requirements.txt > comfy-req.txt",
+        "pip install -r comfy-req.txt",
         'pip install -e ".[test]"',
-        "COMFYUI_PATH=../shared/comfyui/0.33.0 python -m pytest",
-        "grep -vE '^(torch|torchvision|torchaudio)([<>=~ ]|$)' ../shared/comfyui/0.3.64/requirements.txt > floor-req.txt",  # noqa: E501
+        "COMFYUI_PATH=~/comfy/0.33.0 python -m pytest",
+        "grep -vE '^(torch|torchvision|torchaudio)([<>=~ ]|$)' ~/comfy/0.3.64/requirements.txt > floor-req.txt",
         "pip install -r floor-req.txt",
-        "COMFYUI_PATH=../shared/comfyui/0.3.64 python -m pytest -m comfyui",
+        "COMFYUI_PATH=~/comfy/0.3.64 python -m pytest -m comfyui",
     ):
         assert command in lines
 

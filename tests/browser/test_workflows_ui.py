@@ -20,8 +20,9 @@ Chromium opens each workflow through the frontend's File > Open input, and the t
 It saves what the window shows for each workflow in the test's temporary folder, and with
 `T5_UPDATE_SCREENSHOTS=1` as `docs/screenshots/<workflow>.png` (the committed pictures).
 
-Skips, saying why, only where Chromium or chromium-driver is not installed. No ComfyUI tree, or a
-server that does not start, is a failure quoting the server log.
+Skips, saying why, where Chromium or chromium-driver is not installed or no ComfyUI tree is found
+(`comfy_env.not_found_message()` says how). A server that does not start is a failure quoting the
+server log.
 """
 
 from __future__ import annotations
@@ -82,11 +83,7 @@ def _stage_base_dir(base_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
-    tree = comfy_env.locate()
-    if tree is None:
-        pytest.fail(
-            f"ComfyUI not found: set COMFYUI_PATH or install the test tree at {comfy_env.SHARED_TREE}.", pytrace=False
-        )
+    tree = comfy_env.require_tree()
     base_dir = tmp_path_factory.mktemp("comfyui-base")
     _stage_base_dir(base_dir)
     with ComfyServer.start(tree, base_dir, timeout_s=120) as server:

@@ -18,9 +18,7 @@ pytestmark = pytest.mark.comfyui  # a real server of the tree under test: runs o
 
 
 def test_the_dynamic_vram_check_passes_on_cpu(tmp_path):
-    tree = comfy_env.locate()
-    if tree is None:
-        pytest.skip("ComfyUI not found: set COMFYUI_PATH (see testing/comfy_env.py).")
+    tree = comfy_env.require_tree()
     assert comfy_dynamic_vram.main(["--comfyui", str(tree), "--results-dir", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "comfy_dynamic_vram_cpu.json").read_text())
     results = {row["check"]: (row["ok"], row["applies"]) for row in report["rows"]}
