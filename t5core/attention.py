@@ -11,7 +11,8 @@ from torch import Tensor, nn
 
 from t5core.backend import attend
 from t5core.config import T5Config
-from t5core.contract import Variant, check_call, fast_weight_names
+from t5core.contract import T5Layout, Variant, check_call, fast_weight_names
+from t5core.hybrid import MERGES, Merge, hybrid_attention
 
 __all__ = ["T5Attention"]
 
@@ -28,9 +29,15 @@ class T5Attention(nn.Module):
         key_norm_eps (`float`, *optional*, defaults to 1.0): key instance-norm eps; None disables it.
         locality (`bool`, *optional*, defaults to True): residual depthwise 3x3 convs on image q, k.
         backend (`"auto" | "torch" | "triton"`, *optional*, defaults to `"auto"`): see `t5core.backend`.
+        exact_text (`bool`, *optional*, defaults to False): joint attention with exact softmax
+            wherever text takes part and T5 between image tokens (`t5core.hybrid`); calls without
+            text tokens are T5 attention either way.
+        merge (`"cumulant" | "learned"`, *optional*, defaults to `"cumulant"`): with `exact_text`,
+            the image log-partition estimate; `"learned"` adds the parameter `merge_bias`.
 
     Parameter names (the weights-file contract): `w1`, `w2`, `w3` (swiglu only), each (H, D, D);
-    `q_conv.weight`, `k_conv.weight` (H*D, 1, 3, 3) and their biases (H*D,).
+    `q_conv.weight`, `k_conv.weight` (H*D, 1, 3, 3) and their biases (H*D,); `merge_bias` (H,)
+    with `exact_text` and `merge="learned"`.
     """
 
     def __init__(
@@ -42,24 +49,42 @@ class T5Attention(nn.Module):
         locality: bool = True,
         *,
         backend: str = "auto",
+        exact_text: bool = False,
+        merge: Merge = "cumulant",
     ) -> None:
         super().__init__()
         names = fast_weight_names(variant)
         if heads < 1 or head_dim < 1:
             raise ValueError(f"heads and head_dim must be positive; got heads={heads}, head_dim={head_dim}.")
+        if merge not in MERGES:
+            raise ValueError(f"merge must be one of {MERGES}; got {merge!r}.")
         self.heads, self.head_dim = heads, head_dim
         self.variant, self.key_norm_eps, self.locality, self.backend = variant, key_norm_eps, locality, backend
+        self.exact_text, self.merge = exact_text, merge
         for name in names:
             self.register_parameter(name, nn.Parameter(torch.empty(heads, head_dim, head_dim)))
         channels = heads * head_dim
         if locality:
             self.q_conv = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
             self.k_conv = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+        self.merge_bias = nn.Parameter(torch.empty(heads)) if exact_text and merge == "learned" else None
         self.reset_parameters()
 
     @classmethod
-    def from_config(cls, config: T5Config, heads: int, head_dim: int, *, backend: str = "auto") -> T5Attention:
-        return cls(heads, head_dim, config.variant, config.key_norm_eps, config.locality, backend=backend)
+    def from_config(
+        cls, config: T5Config, heads: int, head_dim: int, *, layer: str, backend: str = "auto"
+    ) -> T5Attention:
+        """The module `config` describes for the converted module `layer` (`blocks.3.attn`)."""
+        return cls(
+            heads,
+            head_dim,
+            config.variant,
+            config.key_norm_eps,
+            config.locality,
+            backend=backend,
+            exact_text=config.exact_text(layer),
+            merge=config.merge,
+        )
 
     def reset_parameters(self) -> None:
         """Fast weights ~ trunc-normal(std 0.02, cut at +-2 like the paper's code, so in effect a
@@ -69,6 +94,8 @@ class T5Attention(nn.Module):
         if self.locality:
             self.q_conv.reset_parameters()
             self.k_conv.reset_parameters()
+        if self.merge_bias is not None:
+            nn.init.zeros_(self.merge_bias)
 
     def fast_weights(self) -> tuple[Tensor, ...]:
         """`(w1, w2, w3)` (swiglu) or `(w1, w2)` (mlp)."""
@@ -78,6 +105,7 @@ class T5Attention(nn.Module):
         return (
             f"heads={self.heads}, head_dim={self.head_dim}, variant={self.variant!r}, "
             f"key_norm_eps={self.key_norm_eps}, locality={self.locality}, backend={self.backend!r}"
+            + (f", exact_text=True, merge={self.merge!r}" if self.exact_text else "")
         )
 
     def forward(
@@ -100,7 +128,8 @@ class T5Attention(nn.Module):
                 (diffusers) the image tokens.
 
         Returns:
-            `(B, N, H, D)` in the input dtype. Each sample depends only on itself.
+            `(B, N, H, D)` in the input dtype. Each sample depends only on itself. With
+            `exact_text`, the text rows are softmax attention over all tokens.
         """
         if q.shape[-2:] != (self.heads, self.head_dim):
             raise ValueError(
@@ -120,4 +149,10 @@ class T5Attention(nn.Module):
             text_first=text_first,
             key_norm_eps=self.key_norm_eps,
         )
-        return attend(self.backend, q, k, v, params, layout)
+        if not self.exact_text:
+            return attend(self.backend, q, k, v, params, layout)
+
+        def image_attention(q: Tensor, k: Tensor, v: Tensor, layout: T5Layout) -> Tensor:
+            return attend(self.backend, q, k, v, params, layout)
+
+        return hybrid_attention(q, k, v, layout, image_attention, merge_bias=self.merge_bias)

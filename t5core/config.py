@@ -10,6 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from t5core.contract import Variant, check_variant
+from t5core.hybrid import JOINT_MODES, MERGES, JointMode, Merge
 
 __all__ = ["BaseArch", "T5Config"]
 
@@ -81,26 +82,45 @@ class T5Config:
             key norm off (an ablation).
         locality (`bool`, *optional*, defaults to True): depthwise 3x3 convs on image q and k.
         layers (`tuple[str, ...]`): the resolved layer spec, module names like `blocks.3.attn`.
+        joint_mode (`"ttt" | "hybrid"`, *optional*, defaults to `"ttt"`): how converted joint modules
+            attend: T5 over all tokens (the paper), or exact softmax wherever text takes part and T5
+            between image tokens (`t5core.hybrid`). Image-only `attn2` modules are T5 either way.
+        merge (`"cumulant" | "learned"`, *optional*, defaults to `"cumulant"`): with `hybrid`, the
+            image log-partition estimate that weighs text against image: the cumulant estimate, or
+            it plus a learned per-head correction (`merge_bias`).
     """
 
     variant: Variant = "swiglu"
     key_norm_eps: float | None = 1.0
     locality: bool = True
     layers: tuple[str, ...] = field(default_factory=tuple)
+    joint_mode: JointMode = "ttt"
+    merge: Merge = "cumulant"
 
     def __post_init__(self) -> None:
         check_variant(self.variant)
         if self.key_norm_eps is not None and not self.key_norm_eps > 0:
             raise ValueError(f"key_norm_eps must be positive or None; got {self.key_norm_eps}.")
+        if self.joint_mode not in JOINT_MODES:
+            raise ValueError(f"joint_mode must be one of {JOINT_MODES}; got {self.joint_mode!r}.")
+        if self.merge not in MERGES:
+            raise ValueError(f"merge must be one of {MERGES}; got {self.merge!r}.")
         object.__setattr__(self, "layers", tuple(self.layers))
 
+    def exact_text(self, layer: str) -> bool:
+        """Whether the converted module `layer` (`blocks.3.attn`) keeps exact softmax for text."""
+        return self.joint_mode == "hybrid" and layer.endswith(".attn")
+
     def to_metadata(self) -> dict[str, str]:
-        return {
+        metadata = {
             "t5.variant": self.variant,
             "t5.key_norm_eps": "none" if self.key_norm_eps is None else repr(float(self.key_norm_eps)),
             "t5.locality": "true" if self.locality else "false",
             "t5.layers": ",".join(self.layers),
         }
+        if self.joint_mode != "ttt":
+            metadata.update({"t5.joint_mode": self.joint_mode, "t5.merge": self.merge})
+        return metadata
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, str]) -> T5Config:
@@ -114,4 +134,7 @@ class T5Config:
             key_norm_eps=None if eps == "none" else float(eps),
             locality=locality == "true",
             layers=layers,
+            # absent in files written before the hybrid mode existed: T5 over all tokens
+            joint_mode=metadata.get("t5.joint_mode", "ttt"),
+            merge=metadata.get("t5.merge", "cumulant"),
         )

@@ -1,11 +1,15 @@
-"""The T5 weights file (format version 1, DESIGN.md section 4): save, load, validate.
+"""The T5 weights file (format versions 1 and 2, DESIGN.md section 4): save, load, validate.
 
 A safetensors file with `blocks.{i}.attn.{param}` / `blocks.{i}.attn2.{param}` tensors (the T5
 parameters of each converted module), optional `base.{key}` tensors (fine-tuned inherited weights in
 SD3 checkpoint naming) and string metadata: `t5.format_version`, the `T5Config` fields (`t5.variant`,
-`t5.key_norm_eps`, `t5.locality`, `t5.layers`), `t5.base` (the `BaseArch` as JSON) and `t5.trainer`
-(free-form provenance as JSON). Every mismatch raises `T5WeightsError` naming the file, the problem
-and the fix. Never pickle.
+`t5.key_norm_eps`, `t5.locality`, `t5.layers`, and in version 2 `t5.joint_mode`, `t5.merge`),
+`t5.base` (the `BaseArch` as JSON) and `t5.trainer` (free-form provenance as JSON).
+
+Version 2 is written only for hybrid joint attention (`T5Config.joint_mode = "hybrid"`), which a
+version-1 reader would otherwise run as plain T5 attention without a word; every other file is
+written as version 1, so older readers keep loading it. Every mismatch raises `T5WeightsError`
+naming the file, the problem and the fix. Never pickle.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -43,7 +47,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest format this module reads and writes; it reads every version from 1 up."""
 BASE_PREFIX = "base."
 
 
@@ -82,15 +87,22 @@ class T5Weights:
         return Path(self.path).name
 
 
-def expected_shapes(config: T5Config, arch: BaseArch) -> dict[str, tuple[int, ...]]:
-    """Shape of every T5 parameter of one converted module for this config and architecture."""
+def expected_shapes(config: T5Config, arch: BaseArch, layer: str) -> dict[str, tuple[int, ...]]:
+    """Shape of every T5 parameter of the converted module `layer` for this config and architecture."""
     d, channels = arch.head_dim, arch.hidden
     shapes = {name: (arch.heads, d, d) for name in fast_weight_names(config.variant)}
     if config.locality:
         for conv in ("q_conv", "k_conv"):
             shapes[f"{conv}.weight"] = (channels, 1, 3, 3)
             shapes[f"{conv}.bias"] = (channels,)
+    if config.exact_text(layer) and config.merge == "learned":
+        shapes["merge_bias"] = (arch.heads,)
     return shapes
+
+
+def _format_version(config: T5Config) -> int:
+    """1 where a version-1 reader runs the file correctly, else 2 (module docstring)."""
+    return 1 if config.joint_mode == "ttt" else 2
 
 
 def save(
@@ -128,12 +140,12 @@ def save(
     if arch is None or config is None:
         raise ValueError("save() needs arch= and config= when given a plain mapping of modules.")
     layers = resolve_layers(list(modules), arch)
-    config = T5Config(config.variant, config.key_norm_eps, config.locality, layers)
-    shapes = expected_shapes(config, arch)
+    config = replace(config, layers=layers)
     tensors: dict[str, Tensor] = {}
     for name in layers:
         state = modules[name].state_dict()
         got = {key: tuple(t.shape) for key, t in state.items()}
+        shapes = expected_shapes(config, arch, name)
         if got != shapes:
             raise ValueError(f"module {name} has parameters {got}; the config and architecture expect {shapes}.")
         tensors.update({f"{name}.{key}": t.detach().to("cpu").contiguous() for key, t in state.items()})
@@ -141,7 +153,7 @@ def save(
         tensors[BASE_PREFIX + key] = tensor.detach().to("cpu").contiguous()
     metadata = {
         "format": "pt",
-        "t5.format_version": str(FORMAT_VERSION),
+        "t5.format_version": str(_format_version(config)),
         **config.to_metadata(),
         "t5.base": arch.to_metadata(),
         "t5.trainer": json.dumps(dict(provenance or {}), sort_keys=True, default=str),
@@ -220,10 +232,10 @@ def load(path: str | os.PathLike[str]) -> T5Weights:
         )
     metadata, tensors = _read(path)
     version = metadata["t5.format_version"]
-    if version != str(FORMAT_VERSION):
+    if version not in {str(known) for known in range(1, FORMAT_VERSION + 1)}:
         raise _fail(
             path,
-            f"has format version {version}; this t5core reads version {FORMAT_VERSION}.",
+            f"has format version {version}; this t5core reads versions 1 to {FORMAT_VERSION}.",
             "Upgrade this package (or re-export the file with this version).",
         )
     try:
@@ -235,7 +247,7 @@ def load(path: str | os.PathLike[str]) -> T5Weights:
         raise _fail(
             path, f"has unreadable T5 metadata ({error!r}).", "Re-export it with t5core.weights.save."
         ) from error
-    shapes = expected_shapes(config, arch)
+    shapes = {name: expected_shapes(config, arch, name) for name in layers}
     modules: dict[str, dict[str, Tensor]] = {name: {} for name in layers}
     base: dict[str, Tensor] = {}
     for key, tensor in tensors.items():
@@ -247,22 +259,22 @@ def load(path: str | os.PathLike[str]) -> T5Weights:
         if module.endswith("_conv"):
             module, _, conv = module.rpartition(".")
             param = f"{conv}.{param}"
-        if module not in modules or param not in shapes:
+        if module not in modules or param not in shapes[module]:
             raise _fail(
                 path,
                 f"holds tensor {key!r}, which is not a T5 parameter of its layers {list(layers)}.",
                 "The file is damaged or was edited; re-export it.",
             )
-        if tuple(tensor.shape) != shapes[param]:
+        if tuple(tensor.shape) != shapes[module][param]:
             raise _fail(
                 path,
                 f"{key} is {tuple(tensor.shape)}, but its metadata ({arch.describe()}, "
-                f"variant {config.variant!r}) expects {shapes[param]}.",
+                f"variant {config.variant!r}) expects {shapes[module][param]}.",
                 "The file is damaged or was edited; re-export it.",
             )
         modules[module][param] = tensor
     for name, params in modules.items():
-        missing = sorted(set(shapes) - set(params))
+        missing = sorted(set(shapes[name]) - set(params))
         if missing:
             raise _fail(
                 path,
@@ -353,7 +365,9 @@ def build_modules(weights: T5Weights, layers: tuple[str, ...], *, backend: str =
     """Build `T5Attention` modules holding the file's tensors for the given layers."""
     modules: dict[str, T5Attention] = {}
     for name in layers:
-        module = T5Attention.from_config(weights.config, weights.arch.heads, weights.arch.head_dim, backend=backend)
+        module = T5Attention.from_config(
+            weights.config, weights.arch.heads, weights.arch.head_dim, layer=name, backend=backend
+        )
         with torch.no_grad():
             module.load_state_dict(weights.modules[name], strict=True)
         modules[name] = module

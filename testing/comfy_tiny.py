@@ -41,6 +41,8 @@ def write_t5_weights(
     fast_weight_std: float | None = 0.3,
     base: dict[str, torch.Tensor] | None = None,
     made_by: str = "tests",
+    joint_mode: str = "ttt",
+    merge: str = "cumulant",
 ) -> Path:
     """A T5 weights file with seeded random swiglu modules for `layers`.
 
@@ -60,18 +62,23 @@ def write_t5_weights(
             `base.*` tensors (fine-tuned inherited weights, SD3 key names). Default: none.
         made_by (`str`):
             The file's provenance. Default: `"tests"`.
+        joint_mode, merge (`str`):
+            `T5Config` settings; a learned merge bias is drawn from N(0, 1) so that it matters.
+            Default: `"ttt"`, `"cumulant"`.
 
     Returns:
         `path`.
     """
     torch.manual_seed(seed)
-    config = T5Config("swiglu", 1.0, True, layers)
-    modules = {name: T5Attention.from_config(config, arch.heads, arch.head_dim) for name in layers}
-    if fast_weight_std is not None:
-        with torch.no_grad():
-            for module in modules.values():
+    config = T5Config("swiglu", 1.0, True, layers, joint_mode=joint_mode, merge=merge)
+    modules = {name: T5Attention.from_config(config, arch.heads, arch.head_dim, layer=name) for name in layers}
+    with torch.no_grad():
+        for module in modules.values():
+            if fast_weight_std is not None:
                 for weight in module.fast_weights():
                     weight.normal_(0.0, fast_weight_std)
+            if module.merge_bias is not None:
+                module.merge_bias.normal_(0.0, 1.0)
     return save_t5_weights(path, modules, arch=arch, config=config, base=base, provenance={"made_by": made_by})
 
 

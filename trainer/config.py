@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from t5core.contract import Variant
+from t5core.hybrid import JointMode, Merge
 from trainer.presets import get_preset, preset_data_sources
 
 __all__ = [
@@ -78,6 +79,12 @@ class ModelConfig:
     """Key instance-norm eps; `none` disables the key norm (an ablation)."""
     locality: bool = True
     """Residual depthwise 3x3 convs on image queries and keys."""
+    joint_mode: JointMode = "ttt"
+    """How converted joint attention modules attend: `ttt` = T5 over all tokens (the paper); `hybrid` =
+    exact softmax wherever text takes part, T5 between image tokens (docs/method.md)."""
+    merge: Merge = "cumulant"
+    """With `--model.joint_mode hybrid`: how text is weighed against images, by the cumulant estimate of
+    the image softmax sum (`cumulant`) or by it plus a learned per-head correction (`learned`)."""
     backend: Literal["auto", "torch", "triton"] = "auto"
     """T5 attention backend (`T5_BACKEND` overrides `auto`)."""
     trainable: Literal["t5", "attention", "all"] = "all"

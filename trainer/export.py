@@ -93,7 +93,7 @@ def export_weights(
         return None
     modules: dict[str, T5Attention] = {}
     for module_name in handle.modules:
-        module = T5Attention.from_config(handle.config, handle.arch.heads, handle.arch.head_dim)
+        module = T5Attention.from_config(handle.config, handle.arch.heads, handle.arch.head_dim, layer=module_name)
         state = {
             t5_names[full].removeprefix(module_name + "."): tensors[full]
             for full in t5_names

@@ -156,6 +156,8 @@ def build_student(base: nn.Module, config: ModelConfig) -> T5Handle:
         variant=config.variant,
         key_norm_eps=config.key_norm_eps,
         locality=config.locality,
+        joint_mode=config.joint_mode,
+        merge=config.merge,
         backend=config.backend,
     )
 

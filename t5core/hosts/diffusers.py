@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 from t5core.attention import T5Attention
 from t5core.config import BaseArch, T5Config
 from t5core.convert import diffusers_module, prepare
+from t5core.hybrid import JointMode, Merge
 from t5core.hosts.diffusers_runtime import T5AttnProcessor, drop_grid_hook, grid_hook
 from t5core.layers import LayerSpec, resolve_layers
 from t5core.sd3_keys import diffusers_to_sd3, sd3_to_diffusers
@@ -148,6 +149,8 @@ def linearize(
     variant: str | None = None,
     key_norm_eps: float | None = 1.0,
     locality: bool = True,
+    joint_mode: JointMode = "ttt",
+    merge: Merge = "cumulant",
     backend: str = "auto",
     inplace: bool = True,
 ) -> T5Handle:
@@ -159,7 +162,8 @@ def linearize(
             for fresh T5 modules, the file's layers when `weights` is given.
         weights: a T5 weights file (path or loaded) to initialise from, `base.*` tensors included.
         variant: inner model for fresh modules (`"swiglu"` by default); must match a given file.
-        key_norm_eps, locality: T5 settings for fresh modules (a file brings its own).
+        key_norm_eps, locality, joint_mode, merge: T5 settings for fresh modules (a file brings its
+            own); `joint_mode="hybrid"` keeps exact softmax wherever text takes part (`T5Config`).
         backend: `"auto" | "torch" | "triton"` for every `T5Attention`.
         inplace: convert `transformer` itself (True) or a deep copy (False, returned as `handle.model`).
 
@@ -181,8 +185,11 @@ def linearize(
         transformer = copy.deepcopy(transformer)
     if weights is None:
         names = resolve_layers("paper" if layers is None else layers, arch)
-        config = T5Config(variant or "swiglu", key_norm_eps, locality, names)
-        modules = {name: T5Attention.from_config(config, arch.heads, arch.head_dim, backend=backend) for name in names}
+        config = T5Config(variant or "swiglu", key_norm_eps, locality, names, joint_mode=joint_mode, merge=merge)
+        modules = {
+            name: T5Attention.from_config(config, arch.heads, arch.head_dim, layer=name, backend=backend)
+            for name in names
+        }
         base = {}
     else:
         state = functools.partial(_sd3_state, transformer, arch)

@@ -39,15 +39,20 @@ def test_joint_forward_without_t5_reproduces_the_stock_block_bit_for_bit(model):
 
 
 @pytest.mark.parametrize(
-    "layers, with_base",
+    "layers, with_base, merge",
     [
-        pytest.param(None, False, id="all-modules"),
-        pytest.param("paper", True, id="paper-with-base-tensors"),
-        pytest.param("joint:1", False, id="last-joint-only"),
+        pytest.param(None, False, None, id="all-modules"),
+        pytest.param("paper", True, None, id="paper-with-base-tensors"),
+        pytest.param("joint:1", False, None, id="last-joint-only"),
+        pytest.param(None, False, "cumulant", id="all-modules-hybrid"),
+        pytest.param("paper", False, "learned", id="paper-hybrid-learned"),
     ],
 )
-def test_parity_with_the_diffusers_host(comfy, model, transformer, arch, checkpoint, tmp_path, layers, with_base):
-    """Same tiny weights, same T5 file: ComfyUI (text first) and diffusers (text last) agree."""
+def test_parity_with_the_diffusers_host(
+    comfy, model, transformer, arch, checkpoint, tmp_path, layers, with_base, merge
+):
+    """Same tiny weights, same T5 file: ComfyUI (text first) and diffusers (text last) agree, for T5
+    over all tokens and for hybrid joint attention (`merge` set)."""
     from safetensors.torch import load_file
 
     from t5core.hosts import comfy as comfy_host
@@ -69,7 +74,10 @@ def test_parity_with_the_diffusers_host(comfy, model, transformer, arch, checkpo
             + 0.05 * torch.randn(state[f"model.diffusion_model.{key}"].shape, generator=generator)
             for key in keys
         }
-    path = comfy_tiny.write_t5_weights(tmp_path / "t5.safetensors", arch, arch.attention_modules(), seed=11, base=base)
+    mode = {} if merge is None else {"joint_mode": "hybrid", "merge": merge}
+    path = comfy_tiny.write_t5_weights(
+        tmp_path / "t5.safetensors", arch, arch.attention_modules(), seed=11, base=base, **mode
+    )
     inputs = comfy_tiny.inputs(batch=2, latent_hw=(12, 20))
     sigma = 0.6
 

@@ -62,7 +62,7 @@ def test_round_trip_keeps_tensors_config_arch_base_and_provenance(tmp_path):
 )
 def test_config_metadata_round_trips(tmp_path, config):
     torch.manual_seed(0)
-    modules = {name: T5Attention.from_config(config, 2, 8) for name in LAYERS}
+    modules = {name: T5Attention.from_config(config, 2, 8, layer=name) for name in LAYERS}
     loaded = t5w.load(t5w.save(tmp_path / "c.safetensors", modules, arch=ARCH, config=config))
     assert loaded.config == T5Config(config.variant, config.key_norm_eps, config.locality, LAYERS)
 
@@ -124,8 +124,58 @@ def test_a_model_checkpoint_is_not_a_t5_file(tmp_path):
 
 def test_a_newer_format_is_refused(tmp_path):
     path, _ = write(tmp_path)
-    rewrite(path, metadata={"t5.format_version": "2"})
-    with pytest.raises(t5w.T5WeightsError, match="format version 2.*Upgrade"):
+    rewrite(path, metadata={"t5.format_version": "3"})
+    with pytest.raises(t5w.T5WeightsError, match="format version 3.*Upgrade"):
+        t5w.load(path)
+
+
+def _format(path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return dict(f.metadata())
+
+
+@pytest.mark.parametrize("merge", ["cumulant", "learned"])
+def test_hybrid_files_round_trip_as_version_2(tmp_path, merge):
+    config = T5Config("swiglu", 1.0, True, (), joint_mode="hybrid", merge=merge)
+    torch.manual_seed(0)
+    modules = {name: T5Attention.from_config(config, 2, 8, layer=name) for name in LAYERS}
+    path = t5w.save(tmp_path / "h.safetensors", modules, arch=ARCH, config=config)
+    meta = _format(path)
+    assert (meta["t5.format_version"], meta["t5.joint_mode"], meta["t5.merge"]) == ("2", "hybrid", merge)
+    loaded = t5w.load(path)
+    assert loaded.config == T5Config("swiglu", 1.0, True, LAYERS, joint_mode="hybrid", merge=merge)
+    # only the joint module keeps exact text, so only it has the learned merge bias
+    learned = {name for name, params in loaded.modules.items() if "merge_bias" in params}
+    assert learned == ({"blocks.2.attn"} if merge == "learned" else set())
+    rebuilt = t5w.build_modules(loaded, LAYERS)
+    assert rebuilt["blocks.2.attn"].exact_text and not rebuilt["blocks.0.attn2"].exact_text
+
+
+def test_plain_files_stay_version_1_and_files_without_a_joint_mode_load_as_ttt(tmp_path):
+    path, _ = write(tmp_path)
+    meta = _format(path)
+    assert meta["t5.format_version"] == "1" and "t5.joint_mode" not in meta
+    assert t5w.load(path).config.joint_mode == "ttt"
+
+
+def test_a_learned_merge_bias_is_required_and_checked(tmp_path):
+    config = T5Config("swiglu", 1.0, True, (), joint_mode="hybrid", merge="learned")
+    modules = {name: T5Attention.from_config(config, 2, 8, layer=name) for name in LAYERS}
+    path = t5w.save(tmp_path / "h.safetensors", modules, arch=ARCH, config=config)
+    rewrite(path, replace={"blocks.2.attn.merge_bias": torch.zeros(3)})
+    with pytest.raises(t5w.T5WeightsError, match=r"merge_bias is \(3,\).*expects \(2,\)"):
+        t5w.load(path)
+    rewrite(path, drop={"blocks.2.attn.merge_bias"})
+    with pytest.raises(t5w.T5WeightsError, match="missing blocks.2.attn.merge_bias"):
+        t5w.load(path)
+
+
+def test_an_unknown_joint_mode_is_refused(tmp_path):
+    path, _ = write(tmp_path)
+    rewrite(path, metadata={"t5.joint_mode": "exact"})
+    with pytest.raises(t5w.T5WeightsError, match="joint_mode must be one of"):
         t5w.load(path)
 
 

@@ -100,7 +100,14 @@ def test_triton_requested_on_cpu_without_interpreter_raises_with_reason(module, 
     assert kernel_calls == []
 
 
-def test_triton_under_interpreter_matches_torch_with_gradients(device, module, qkv, kernel_calls):
+@pytest.mark.parametrize("exact_text", [False, True], ids=["t5", "hybrid"])
+def test_triton_under_interpreter_matches_torch_with_gradients(device, qkv, kernel_calls, exact_text):
+    """Hybrid joint attention runs its image part on the kernels as an image-only call."""
+    torch.manual_seed(0)
+    module = T5Attention(H, D, exact_text=exact_text, merge="learned")
+    if exact_text:
+        with torch.no_grad():
+            module.merge_bias.uniform_(-1.0, 1.0)
     module.to(device)
     leaves = [x.to(device).requires_grad_() for x in qkv]
     module.backend = "torch"

@@ -1,0 +1,135 @@
+"""Joint attention with exact text ("hybrid"): softmax wherever text takes part, T5 between image tokens.
+
+Legend: B batch, N tokens, H heads, D head dim, T text tokens, M = N - T image tokens; tensors in
+head-major layout carry the suffix ``_BHND`` (``_BHMT``: image queries x text keys).
+
+Softmax attention of a query q over all keys splits exactly into a text part and an image part,
+weighted by their partition sums (scale = D^-0.5):
+
+    o = (Z_t o_t + Z_i o_i) / (Z_t + Z_i),   Z_t = sum_text exp(scale q.k_j),   Z_i likewise over images,
+    so o = alpha o_t + (1 - alpha) o_i,  alpha = sigmoid(log Z_t - log Z_i).
+
+Text is a few hundred tokens at most, so every term that touches text is computed exactly at
+O(N T D): text queries attend over all keys with softmax (the original model's output), and each
+image query gets its exact o_t and log Z_t over the text keys. Only the O(M^2) image-to-image part
+is replaced: o_i by T5 attention over the image tokens alone (key norm, locality and the inner step
+see image keys and values only, so every backend runs it as an image-only call), and log Z_i by its
+second-order cumulant estimate over the image keys (mean mu, biased covariance S):
+
+    log Z_i ~ log M + scale q.mu + (scale^2 / 2) q^T S q  [+ b_h, a learned per-head correction]
+
+which costs O(M D^2) like the inner step. `merge="cumulant"` uses the estimate as it is (no new
+parameter); `merge="learned"` adds `merge_bias` (H,), initialised at 0.
+
+Statistics and merge weights are fp32; the output is cast back to the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from t5core.contract import T5Layout
+
+__all__ = ["JointMode", "JOINT_MODES", "MERGES", "Merge", "hybrid_attention", "image_log_partition"]
+
+JointMode = Literal["ttt", "hybrid"]
+JOINT_MODES: tuple[str, ...] = ("ttt", "hybrid")
+Merge = Literal["cumulant", "learned"]
+MERGES: tuple[str, ...] = ("cumulant", "learned")
+
+# image queries per slab of the text part and the estimate: bounds the (B, H, rows, T) scores and
+# (B, H, rows, D) temporaries at 2K (16384 image tokens)
+IMAGE_QUERY_ROWS = 4096
+
+ImageAttention = Callable[[Tensor, Tensor, Tensor, T5Layout], Tensor]
+"""T5 attention over image tokens only: `(q, k, v, layout)` with `(B, M, H, D)` tensors."""
+
+
+def _split(x: Tensor, text_tokens: int, text_first: bool) -> tuple[Tensor, Tensor]:
+    """`(image, text)` parts of a `(B, N, H, D)` sequence."""
+    if text_first:
+        return x[:, text_tokens:], x[:, :text_tokens]
+    return x[:, : x.shape[1] - text_tokens], x[:, x.shape[1] - text_tokens :]
+
+
+def image_log_partition(q_BHND: Tensor, k_BHND: Tensor, *, rows: int = IMAGE_QUERY_ROWS) -> Tensor:
+    """Second-order cumulant estimate of log sum_j exp(scale q.k_j) over the keys, per query.
+
+    Args:
+        q_BHND (`Tensor`): fp32 queries `(B, H, N, D)`.
+        k_BHND (`Tensor`): fp32 keys `(B, H, M, D)` (M >= 1).
+        rows (`int`, *optional*): queries per slab (bounds the `(B, H, rows, D)` temporaries).
+
+    Returns:
+        `(B, H, N)` fp32: log M + scale q.mu + (scale^2 / 2) q^T S q, with mu and S (biased) the
+        keys' mean and covariance.
+    """
+    m, dim = k_BHND.shape[-2:]
+    scale = dim**-0.5
+    mean = k_BHND.mean(dim=-2, keepdim=True)
+    centred = k_BHND - mean
+    # (scale^2 / 2) S folded into one (D, D) matrix per sample and head
+    half_cov = centred.transpose(-1, -2) @ centred * (0.5 * scale * scale / m)
+    slabs = []
+    for q_rows in q_BHND.split(rows, dim=-2):
+        first = (q_rows @ mean.transpose(-1, -2)).squeeze(-1) * scale
+        slabs.append(first + ((q_rows @ half_cov) * q_rows).sum(-1))
+    return math.log(m) + torch.cat(slabs, dim=-1)
+
+
+def _text_part(q_BHND: Tensor, k_text: Tensor, v_text: Tensor) -> tuple[Tensor, Tensor]:
+    """Exact softmax of queries over the text keys: `(o_t (B, H, N, D), log Z_t (B, H, N))`."""
+    scores_BHNT = (q_BHND @ k_text.transpose(-1, -2)) * q_BHND.shape[-1] ** -0.5
+    return torch.softmax(scores_BHNT, dim=-1) @ v_text, torch.logsumexp(scores_BHNT, dim=-1)
+
+
+def hybrid_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: T5Layout,
+    image_attention: ImageAttention,
+    *,
+    merge_bias: Tensor | None = None,
+) -> Tensor:
+    """Joint attention with exact softmax for everything involving text, T5 between image tokens.
+
+    Args:
+        q, k, v (`Tensor`): `(B, N, H, D)`, a call `t5core.contract.check_call` has checked.
+        layout (`T5Layout`): the call's layout; with no text tokens this is T5 attention alone.
+        image_attention (`ImageAttention`): T5 attention on the image tokens (a backend).
+        merge_bias (`Tensor`, *optional*): `(H,)` learned correction of the image log-partition
+            estimate (`merge="learned"`); None: the cumulant estimate as it is.
+
+    Returns:
+        `(B, N, H, D)` in the dtype of `q`; its text rows are softmax attention over all keys.
+    """
+    t, first = layout.text_tokens, layout.text_first
+    if t == 0:
+        return image_attention(q, k, v, layout)
+    (q_img, q_txt), (k_img, k_txt), (v_img, v_txt) = (_split(x, t, first) for x in (q, k, v))
+    image_layout = replace(layout, tokens=layout.n_image, text_tokens=0)
+    o_ttt = image_attention(q_img.contiguous(), k_img.contiguous(), v_img.contiguous(), image_layout)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        q_i, q_t, k_i, k_t, v_t = (x.float().transpose(1, 2) for x in (q_img, q_txt, k_img, k_txt, v_txt))
+        k_all, v_all = (x.float().transpose(1, 2) for x in (k, v))
+        text_rows = F.scaled_dot_product_attention(q_t, k_all, v_all)
+        log_z_image = image_log_partition(q_i, k_i)
+        if merge_bias is not None:
+            log_z_image = log_z_image + merge_bias.float().view(1, -1, 1)
+        slabs = []
+        for start in range(0, layout.n_image, IMAGE_QUERY_ROWS):
+            rows = slice(start, start + IMAGE_QUERY_ROWS)
+            o_text, log_z_text = _text_part(q_i[:, :, rows], k_t, v_t)
+            alpha = torch.sigmoid(log_z_text - log_z_image[:, :, rows]).unsqueeze(-1)
+            slabs.append(alpha * o_text + (1 - alpha) * o_ttt[:, rows].float().transpose(1, 2))
+        image_rows = torch.cat(slabs, dim=2)
+        out_BHND = torch.cat((text_rows, image_rows) if first else (image_rows, text_rows), dim=2)
+    return out_BHND.transpose(1, 2).to(q.dtype)
