@@ -39,7 +39,9 @@ from trainer.distributed import derived_seed
 from trainer.optim import build_scheduler
 from trainer.toy.baselines import PlainLinearAttention, reinit_inherited
 from trainer.toy.data import IMAGE_SIZE, make_batch
-from trainer.toy.eval import batch_loss, teacher_distance, toy_eval, validation_loss
+from trainer.toy.artifacts import background_level, token_period_energy
+from trainer.toy.eval import batch_loss, eval_set, sample_hits, teacher_distance, toy_eval, validation_loss
+from trainer.toy.stats import paired_difference
 from trainer.toy.model import load_toy_base
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,8 @@ class Row:
     description: str
     attention: Literal["softmax", "t5", "linear"] = "t5"
     layers: str = "paper"
+    joint_mode: Literal["ttt", "hybrid"] = "ttt"
+    merge: Literal["cumulant", "learned"] = "cumulant"
     variant: str = "swiglu"
     key_norm_eps: float | None = 1.0
     locality: bool = True
@@ -80,6 +84,15 @@ ROWS: tuple[Row, ...] = (
     Row("mlp", "T5 with the mlp inner model", variant="mlp"),
     Row("linear-attn", "plain linear attention (elu+1), inherited q/k/v", attention="linear"),
     Row("all", "T5 with the `all` layer spec (every attention module)", layers="all"),
+    Row("paper-hybrid", "T5 paper spec, joint modules hybrid (exact text, cumulant merge)", joint_mode="hybrid"),
+    Row("all-hybrid", "T5 `all`, joint modules hybrid (exact text, cumulant merge)", layers="all", joint_mode="hybrid"),
+    Row(
+        "all-hybrid-learned",
+        "T5 `all`, joint modules hybrid (exact text, cumulant + learned per-head merge bias)",
+        layers="all",
+        joint_mode="hybrid",
+        merge="learned",
+    ),
     Row("new-x10", "T5 full, new parameters at 10x instead of 20x", new_lr_mult=10.0),
     Row("constant-lr", "T5 full, constant learning rate after warm-up instead of cosine", schedule="constant"),
 )
@@ -130,6 +143,8 @@ def build(row: Row, seed: int) -> tuple[nn.Module, list[nn.Parameter], tuple[str
         variant=row.variant,
         key_norm_eps=row.key_norm_eps,
         locality=row.locality,
+        joint_mode=row.joint_mode,
+        merge=row.merge,
         backend="torch",
     )
     names = handle.config.layers
@@ -201,6 +216,9 @@ def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_images: 
             "seed": seed,
             "converted": len(names),
             "toyeval": score.as_dict(),
+            "hits": overall_hits(images, plan.count),
+            "background": background_level(images, teacher_images),
+            "token_period_energy": token_period_energy(images, teacher_images),
             "val_loss": validation_loss(model),
             "val_loss_4x": validation_loss(model, batches=2, batch_size=16, size=WIDE_SIZE),
             "teacher_distance": teacher_distance(images, teacher_images),
@@ -212,6 +230,20 @@ def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_images: 
     return result
 
 
+def overall_hits(images: torch.Tensor, count: int) -> list[int]:
+    """Per evaluation sample, 1 where ToyEval reads every attribute of its caption, else 0."""
+    captions, _ = eval_set(count)
+    return [int(hit["overall"]) for hit in sample_hits(images, captions)]
+
+
+def _paired(runs: list[dict], teacher_hits: list[int] | None) -> str:
+    """The paired ToyEval difference against the teacher with its 95% interval, where hits were kept."""
+    hits = [r["hits"] for r in runs if "hits" in r]
+    if teacher_hits is None or not hits:
+        return "-"
+    return str(paired_difference(hits, teacher_hits))
+
+
 def _mean_sd(values: list[float], digits: int = 3) -> str:
     if not values:
         return "-"
@@ -220,17 +252,20 @@ def _mean_sd(values: list[float], digits: int = 3) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
-def summarise(rows: tuple[Row, ...], results: list[dict], budget: Budget, seeds: list[int]) -> str:
-    """A markdown table: one line per row, mean ± sd over seeds."""
+def summarise(
+    rows: tuple[Row, ...], results: list[dict], budget: Budget, seeds: list[int], *, teacher_hits: list[int] | None
+) -> str:
+    """A markdown table: one line per row, mean ± sd over seeds, and the paired difference against the
+    teacher (same captions and noise) with its 95% bootstrap interval over seeds and samples."""
     lines = [
         header_line(),
         f"toy ablations: {budget.steps} fine-tune steps x batch {budget.batch_size} per row, lr {budget.optim.lr:g} "
         f"(new x{budget.optim.new_lr_mult:g}), {budget.optim.warmup_steps} warm-up steps then "
         f"{budget.optim.schedule}, seeds {seeds}",
         "",
-        "| row | what | modules | ToyEval overall | shape | size | val loss | val loss 4x tokens "
-        "| ToyEval 4x tokens | dist. to teacher |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| row | what | modules | ToyEval overall | vs teacher, paired [95% CI] | shape | size | val loss "
+        "| val loss 4x tokens | ToyEval 4x tokens | dist. to teacher | background | token-period energy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         runs = [r for r in results if r["row"] == row.name]
@@ -238,21 +273,25 @@ def summarise(rows: tuple[Row, ...], results: list[dict], budget: Budget, seeds:
             continue
         cells = [_mean_sd([r["toyeval"][k] for r in runs]) for k in ("overall", "shape", "size")]
         wide = [r["toyeval_4x"]["overall"] for r in runs if "toyeval_4x" in r]
+        artifacts = [
+            _mean_sd([r[key] for r in runs if key in r], 4) for key in ("background", "token_period_energy")
+        ]
         lines.append(
-            f"| {row.name} | {row.description} | {runs[0]['converted']} | " + " | ".join(cells) + " | "
-            f"{_mean_sd([r['val_loss'] for r in runs], 4)} | {_mean_sd([r['val_loss_4x'] for r in runs], 4)} | "
-            f"{_mean_sd(wide)} | {_mean_sd([r['teacher_distance'] for r in runs])} |"
+            f"| {row.name} | {row.description} | {runs[0]['converted']} | {cells[0]} | {_paired(runs, teacher_hits)} | "
+            + " | ".join(cells[1:])
+            + f" | {_mean_sd([r['val_loss'] for r in runs], 4)} | {_mean_sd([r['val_loss_4x'] for r in runs], 4)} | "
+            f"{_mean_sd(wide)} | {_mean_sd([r['teacher_distance'] for r in runs])} | " + " | ".join(artifacts) + " |"
         )
     return "\n".join(lines)
 
 
-def _previous(name: str, budget: Budget) -> list[dict]:
-    """Results of an earlier, interrupted sweep with the same budget (to resume), else none."""
+def _previous(name: str, budget: Budget, plan: EvalPlan) -> list[dict]:
+    """Results of an earlier, interrupted sweep with the same budget and evaluation (to resume), else none."""
     path = RESULTS_DIR / f"{name}.json"
     if not path.is_file():
         return []
     payload = json.loads(path.read_text())
-    if payload["meta"].get("budget") != asdict(budget):
+    if payload["meta"].get("budget") != asdict(budget) or payload["meta"].get("eval") != asdict(plan):
         return []
     return payload["rows"]
 
@@ -285,8 +324,15 @@ def main(argv: list[str] | None = None) -> int:
     plan = EvalPlan(args.eval_count, args.wide_count, tuple(args.wide_rows))
     rows = tuple(r for r in ROWS if r.name in args.rows)
     teacher_score, teacher_images = toy_eval(load_toy_base(), count=plan.count)
-    results = _previous(args.json, budget)
-    meta = {"budget": asdict(budget), "eval": asdict(plan), "seeds": args.seeds}
+    teacher_hits = overall_hits(teacher_images, plan.count)
+    results = _previous(args.json, budget, plan)
+    meta = {
+        "budget": asdict(budget),
+        "eval": asdict(plan),
+        "seeds": args.seeds,
+        "teacher_hits": teacher_hits,
+        "teacher_background": background_level(teacher_images, teacher_images),
+    }
     for row in rows:
         # A row without randomness (the softmax teacher) needs one seed only.
         seeds = args.seeds[:1] if row.attention == "softmax" and not row.finetune else args.seeds
@@ -301,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             write_json(args.json, results, meta={**meta, "partial": True})
-    table = summarise(ROWS, results, budget, sorted({r["seed"] for r in results}))
+    table = summarise(ROWS, results, budget, sorted({r["seed"] for r in results}), teacher_hits=teacher_hits)
     print(table)
     write_json(args.json, results, meta={**meta, "teacher_toyeval": teacher_score.as_dict(), "table": table})
     return 0

@@ -107,14 +107,26 @@ def export_weights(
     return written
 
 
+def _flatten(section: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """`{"a": {"b": 1}}` -> `[("a.b", 1)]`: a nested report section as rows of a two-column table."""
+    rows: list[tuple[str, Any]] = []
+    for key, value in section.items():
+        if isinstance(value, dict):
+            rows += _flatten(value, f"{prefix}{key}.")
+        else:
+            rows.append((f"{prefix}{key}", f"{value:.4g}" if isinstance(value, float) else value))
+    return rows
+
+
 def write_report(folder: str | Path, report: dict[str, Any]) -> tuple[Path, Path]:
-    """Write `report.json` and a short `report.md` of the run, atomically."""
+    """Write `report.json` and a short `report.md` of the run (each section a table), atomically."""
     folder = Path(folder)
     lines = [f"# T5 fine-tune report ({report['stop_reason']} stop after step {report['step']})", ""]
     lines += [f"* {key}: {value}" for key, value in report.items() if not isinstance(value, dict | list)]
     for key, value in report.items():
         if isinstance(value, dict):
-            lines += ["", f"## {key}", ""] + [f"* {k}: {v}" for k, v in value.items()]
+            lines += ["", f"## {key}", "", "| | |", "|---|---|"]
+            lines += [f"| {name} | {cell} |" for name, cell in _flatten(value)]
     written = []
     for name, text in (
         ("report.json", json.dumps(report, indent=1, default=str)),

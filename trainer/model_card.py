@@ -104,6 +104,8 @@ def _conversion_section(config: TrainConfig, report: Mapping[str, Any]) -> list[
                 ("variant", model.variant),
                 ("key-norm eps", model.key_norm_eps),
                 ("locality convs", model.locality),
+                ("joint attention (`--model.joint_mode`)", model.joint_mode),
+                *([("text merge (`--model.merge`)", model.merge)] if model.joint_mode == "hybrid" else []),
             ]
         ),
         "",

@@ -39,7 +39,7 @@ class ModelPreset:
         weight_files (`Callable[[], dict[str, Path]]`): file name -> path of its weights (hashed on the card).
         build_source (`Callable[[DataConfig], Source]`): its training data (at its own default size
             when `--data.resolution` is 0).
-        evaluate (`Callable`): `evaluate(student, output, world, samples=, sharded=)` -> numbers for
+        evaluate (`Callable`): `evaluate(student, output, world, samples=, sharded=, progress=)` -> numbers for
             the run report, or None when skipped.
         card_note (`str`): a closing line for the model card (how to sample it).
     """

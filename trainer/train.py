@@ -386,7 +386,14 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     preset = get_preset(config.model.base)
     if preset is not None:
         sharded = config.parallel.mode == "fsdp2"
-        toy_eval = preset.evaluate(handle.model, output, world, samples=config.output.toy_eval_samples, sharded=sharded)
+        toy_eval = preset.evaluate(
+            handle.model,
+            output,
+            world,
+            samples=config.output.toy_eval_samples,
+            sharded=sharded,
+            progress=config.output.progress,
+        )
     report = {
         "step": result.step,
         "stop_reason": result.stop_reason,

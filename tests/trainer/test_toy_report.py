@@ -8,7 +8,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from trainer.export import write_report
+from trainer.toy.artifacts import background_level, token_period_energy
 from trainer.toy.data import IMAGE_SIZE
+from trainer.toy.eval import sample_hits
 from trainer.toy.model import build_toy_model
 from trainer.toy.report import compare, write_grid
 
@@ -44,3 +47,30 @@ def test_compare_different_students_differ():
     result = compare(teacher, student, count=3, steps=1)
     assert result.distance > 0
     assert not torch.equal(result.teacher_images, result.student_images)
+
+
+def test_the_comparison_reports_the_paired_interval_and_the_artifact_measures(capsys):
+    teacher = build_toy_model(seed=0).eval()
+    student = build_toy_model(seed=1).eval()
+    result = compare(teacher, student, count=3, steps=1, progress=True)
+    report = result.as_dict()
+    student_hits, teacher_hits = (
+        [int(hit["overall"]) for hit in sample_hits(images, result.captions)]
+        for images in (result.student_images, result.teacher_images)
+    )
+    difference = (sum(student_hits) - sum(teacher_hits)) / 3
+    paired = report["paired"]
+    assert paired["mean"] == difference and paired["low"] <= difference <= paired["high"] and paired["samples"] == 3
+    assert report["teacher"]["background"] == background_level(result.teacher_images, result.teacher_images)
+    assert report["student"]["token_period_energy"] == token_period_energy(result.student_images, result.teacher_images)
+    assert "95% interval" in result.table() and "| background | token-period energy |" in result.table()
+    # the progress bar counts the sampling batches of both models
+    assert "ToyEval: 100%" in capsys.readouterr().err
+
+
+def test_the_run_report_renders_sections_as_tables(tmp_path):
+    report = {"step": 2, "stop_reason": "steps", "toy_eval": {"teacher": {"toyeval": {"overall": 0.70612}}}}
+    _, markdown = write_report(tmp_path, report)
+    text = markdown.read_text()
+    assert "## toy_eval\n\n| | |\n|---|---|\n| teacher.toyeval.overall | 0.7061 |" in text
+    assert "{" not in text

@@ -13,6 +13,7 @@ Chance is 1/6 (colour), 1/3 (shape), 1/5 (position), 1/2 (size) and 1/180 overal
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ATTRIBUTES",
+    "GENERATE_BATCH",
     "Reading",
     "ToyEvalScore",
     "batch_loss",
@@ -186,16 +188,29 @@ def eval_set(count: int, *, seed: int = 0, size: int = IMAGE_SIZE) -> tuple[tupl
     return captions, noise
 
 
+GENERATE_BATCH = 64
+"""Samples per sampling batch of `generate`."""
+
+
 def generate(
-    model, captions: tuple[Caption, ...], noise: Tensor, *, steps: int = 20, cfg: float = 3.0, batch_size: int = 64
+    model,
+    captions: tuple[Caption, ...],
+    noise: Tensor,
+    *,
+    steps: int = 20,
+    cfg: float = 3.0,
+    on_batch: Callable[[], object] | None = None,
 ) -> Tensor:
-    """Sample images `(B, 3, S, S)` in [0, 1] for captions from the given noise, in chunks."""
+    """Sample images `(B, 3, S, S)` in [0, 1] for captions from the given noise, `GENERATE_BATCH` at a
+    time; `on_batch` is called after each batch (a progress bar's update)."""
     chunks = []
-    for start in range(0, len(captions), batch_size):
-        part = captions[start : start + batch_size]
+    for start in range(0, len(captions), GENERATE_BATCH):
+        part = captions[start : start + GENERATE_BATCH]
         cond = ToyCond.from_captions([str(c) for c in part])
         latents = sample(model, cond, noise[start : start + len(part)], steps=steps, cfg=cfg)
         chunks.append(decode_latents(latents))
+        if on_batch is not None:
+            on_batch()
     return torch.cat(chunks)
 
 

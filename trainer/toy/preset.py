@@ -50,7 +50,7 @@ class ToySource:
 
 
 def evaluate_toy(
-    student: nn.Module, output: Path, world: World, *, samples: int, sharded: bool
+    student: nn.Module, output: Path, world: World, *, samples: int, sharded: bool, progress: bool = False
 ) -> dict[str, Any] | None:
     """ToyEval of the softmax teacher and the trained student on rank 0: `toy_eval.md` and `grid.png`
     (teacher rows above student rows, same captions and noise) in the run folder, and the numbers
@@ -67,7 +67,7 @@ def evaluate_toy(
     from trainer.toy.report import compare, write_grid
 
     student.eval()
-    comparison = compare(load_toy_base().to(world.device), student, count=samples)
+    comparison = compare(load_toy_base().to(world.device), student, count=samples, progress=progress)
     (output / "toy_eval.md").write_text(comparison.table() + "\n", encoding="utf-8")
     write_grid(output / "grid.png", comparison)
     logger.info(

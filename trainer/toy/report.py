@@ -9,15 +9,28 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from t5core.atomic import write_bytes_atomic
+from trainer.toy.artifacts import background_level, token_period_energy
 from trainer.toy.data import Caption
-from trainer.toy.eval import ToyEvalScore, eval_set, generate, score_images, teacher_distance, validation_loss
+from trainer.toy.eval import (
+    GENERATE_BATCH,
+    ToyEvalScore,
+    eval_set,
+    generate,
+    sample_hits,
+    score_images,
+    teacher_distance,
+    validation_loss,
+)
+from trainer.toy.stats import paired_difference
 
 logger = logging.getLogger(__name__)
 
@@ -26,18 +39,30 @@ __all__ = ["Comparison", "compare", "comparison_table", "write_grid"]
 
 def comparison_table(comparison: dict, *, student_name: str = "T5") -> str:
     """The markdown table of a comparison in its `Comparison.as_dict()` form (as run reports store it):
-    one row per model, ToyEval per attribute, val loss, distance to teacher."""
+    one row per model, ToyEval per attribute, val loss, distance to teacher and the artifact measures
+    (`trainer.toy.artifacts`), then the paired ToyEval difference with its 95% interval."""
     lines = [
-        "| model | ToyEval overall | color | shape | position | size | val loss | dist. to teacher |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | ToyEval overall | color | shape | position | size | val loss | dist. to teacher "
+        "| background | token-period energy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, key, distance in (
-        ("softmax teacher", "teacher", 0.0),
-        (student_name, "student", comparison["teacher_distance"]),
-    ):
-        score = comparison[key]["toyeval"]
+    for name, key in (("softmax teacher", "teacher"), (student_name, "student")):
+        entry = comparison[key]
+        score = entry["toyeval"]
         cells = " | ".join(f"{score[part]:.3f}" for part in ("overall", "color", "shape", "position", "size"))
-        lines.append(f"| {name} | {cells} | {comparison[key]['val_loss']:.4f} | {distance:.4f} |")
+        distance = comparison["teacher_distance"] if key == "student" else 0.0
+        energy = f"{entry['token_period_energy']:.4f}" if key == "student" else "-"
+        lines.append(
+            f"| {name} | {cells} | {entry['val_loss']:.4f} | {distance:.4f} | {entry['background']:.4f} | {energy} |"
+        )
+    paired = comparison["paired"]
+    lines += [
+        "",
+        f"{student_name} - teacher, paired on the same {paired['samples']} captions and noise: "
+        f"{paired['mean']:+.3f} ToyEval, 95% interval [{paired['low']:+.3f}, {paired['high']:+.3f}] (bootstrap over "
+        "samples). Background: mean pixel level where the teacher's image is black; token-period energy: share "
+        f"of the {student_name}-minus-teacher residual on the token lattice of the spectrum (white noise: 0.0065).",
+    ]
     return "\n".join(lines)
 
 
@@ -59,19 +84,40 @@ class Comparison:
         return comparison_table(self.as_dict(), student_name=student_name)
 
     def as_dict(self) -> dict:
+        teacher_hits, student_hits = (
+            [int(hit["overall"]) for hit in sample_hits(images, self.captions)]
+            for images in (self.teacher_images, self.student_images)
+        )
+        paired = paired_difference([student_hits], teacher_hits)
+        teacher, student = self.teacher_images, self.student_images
         return {
-            "teacher": {"toyeval": self.teacher_score.as_dict(), "val_loss": self.teacher_val_loss},
-            "student": {"toyeval": self.student_score.as_dict(), "val_loss": self.student_val_loss},
+            "teacher": {
+                "toyeval": self.teacher_score.as_dict(),
+                "val_loss": self.teacher_val_loss,
+                "background": background_level(teacher, teacher),
+            },
+            "student": {
+                "toyeval": self.student_score.as_dict(),
+                "val_loss": self.student_val_loss,
+                "background": background_level(student, teacher),
+                "token_period_energy": token_period_energy(student, teacher),
+            },
             "teacher_distance": self.distance,
+            "paired": {"mean": paired.mean, "low": paired.low, "high": paired.high, "samples": paired.samples},
         }
 
 
 @torch.no_grad()
-def compare(teacher, student, *, count: int = 180, steps: int = 20, cfg: float = 3.0, seed: int = 0) -> Comparison:
-    """Sample the fixed evaluation set with both models from the same noise and score both."""
+def compare(
+    teacher, student, *, count: int = 180, steps: int = 20, cfg: float = 3.0, seed: int = 0, progress: bool = False
+) -> Comparison:
+    """Sample the fixed evaluation set with both models from the same noise and score both; `progress`
+    shows a bar with an ETA over the sampling batches (the evaluation takes minutes on a CPU)."""
     captions, noise = eval_set(count, seed=seed)
-    teacher_images = generate(teacher, captions, noise, steps=steps, cfg=cfg)
-    student_images = generate(student, captions, noise, steps=steps, cfg=cfg)
+    batches = 2 * math.ceil(count / GENERATE_BATCH)
+    with tqdm(total=batches, desc="ToyEval", unit="batch", disable=not progress, dynamic_ncols=True) as bar:
+        teacher_images = generate(teacher, captions, noise, steps=steps, cfg=cfg, on_batch=bar.update)
+        student_images = generate(student, captions, noise, steps=steps, cfg=cfg, on_batch=bar.update)
     return Comparison(
         captions=captions,
         teacher_score=score_images(teacher_images, captions),

@@ -1,0 +1,66 @@
+"""Artifact measures that ToyEval cannot see: a raised background and a token-periodic pattern.
+
+Both compare samples with the softmax teacher's samples from the same captions and noise.
+
+* `background_level`: the mean pixel level where the teacher's image is black (its brightest channel
+  below `BLACK`). The toy's background is black, so a model that lifts it (banding, a faint grid)
+  scores above the teacher's own level there.
+* `token_period_energy`: the share of the energy of (model - teacher) that lies on the token
+  lattice of the spectrum: the frequencies of a pattern that repeats every `token_px` pixels in both
+  directions (4 px for the toy: 2 x 2 latent patches of 2 x 2 pixels). White residual puts
+  `(token_px^2 - 1) / (H W)` of its energy there (0.0065 at 48 px); a per-token pattern all of it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["BLACK", "background_level", "token_period_energy"]
+
+BLACK = 0.05
+"""A teacher pixel is background when its brightest channel is below this (objects are > 0.35)."""
+
+
+def _check(images: Tensor, teacher_images: Tensor) -> None:
+    if images.shape != teacher_images.shape or images.dim() != 4:
+        raise ValueError(
+            f"need two (B, 3, H, W) image sets of one shape; got {tuple(images.shape)} and {tuple(teacher_images.shape)}."
+        )
+
+
+def background_level(images: Tensor, teacher_images: Tensor) -> float:
+    """Mean level of `images` (in [0, 1]) over the pixels where `teacher_images` is black.
+
+    Pass the teacher's images as both arguments for the teacher's own level.
+    """
+    _check(images, teacher_images)
+    black = teacher_images.float().amax(dim=1, keepdim=True) < BLACK
+    mask = black.expand_as(images)
+    return images.float()[mask].mean().item() if mask.any() else 0.0
+
+
+def token_period_energy(images: Tensor, teacher_images: Tensor, *, token_px: int = 4) -> float:
+    """Share of the residual's spectral energy at the token period and its harmonics.
+
+    Args:
+        images, teacher_images: `(B, 3, H, W)` samples from the same captions and noise.
+        token_px: pixels per token side (H and W must be multiples of it).
+
+    Returns:
+        A fraction in [0, 1]; white residual gives about `(token_px**2 - 1) / (H * W)`.
+    """
+    _check(images, teacher_images)
+    height, width = images.shape[-2:]
+    if height % token_px or width % token_px:
+        raise ValueError(f"image size {height}x{width} is not a multiple of the token size {token_px}.")
+    residual = images.float() - teacher_images.float()
+    residual = residual - residual.mean(dim=(-2, -1), keepdim=True)
+    power = torch.fft.fft2(residual).abs().square().sum(dim=(0, 1))  # (H, W)
+    # a pattern of period token_px has its energy at multiples of (H / token_px, W / token_px) cycles
+    rows = torch.arange(height) % (height // token_px) == 0
+    cols = torch.arange(width) % (width // token_px) == 0
+    periodic = rows[:, None] & cols[None, :]
+    periodic[0, 0] = False
+    total = power.sum()
+    return (power[periodic].sum() / total).item() if total > 0 else 0.0
