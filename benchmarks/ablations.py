@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         distill_weight=args.distill_weight,
     )
     plan = EvalPlan(args.eval_count, args.wide_count, tuple(args.wide_rows))
-    rows = tuple(r for r in ROWS if r.name in args.rows)
+    # in the order given, so the rows that matter most run first in a sweep that may be cut short
+    rows = tuple(next(r for r in ROWS if r.name == name) for name in dict.fromkeys(args.rows))
     teacher_score, teacher_images = toy_eval(load_toy_base(), count=plan.count)
     teacher_hits = overall_hits(teacher_images, plan.count)
     results = _previous(args.json, budget, plan)

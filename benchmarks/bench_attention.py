@@ -218,15 +218,20 @@ def goals(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="sequence lengths (square grids)")
+def add_call_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of one attention call and its timing, shared by the attention benchmarks."""
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds (each times every path twice)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch (0 = torch's default)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="sequence lengths (square grids)")
+    add_call_arguments(parser)
     parser.add_argument(
         "--chunk-sweep", type=int, nargs="*", default=[], help="chunk sizes to sweep at the largest N (chunked path)"
     )

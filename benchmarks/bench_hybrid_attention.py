@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from benchmarks.bench_attention import time_in_turn
+from benchmarks.bench_attention import add_call_arguments, time_in_turn
 from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, write_json
 from t5core import T5Attention
 from testing.tolerances import relative_rms
@@ -142,13 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="image tokens (square grids)")
     parser.add_argument("--text", type=int, default=TEXT_TOKENS, help="text tokens (first)")
-    parser.add_argument("--heads", type=int, default=24)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_call_arguments(parser)
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="T5 backend")
-    parser.add_argument("--rounds", type=int, default=3, help="timing rounds (each times every path twice)")
-    parser.add_argument("--threads", type=int, default=2, help="CPU threads for torch (0 = torch's default)")
     parser.add_argument("--no-backward", dest="backward", action="store_false", help="time the forward only")
     args = parser.parse_args(argv)
     if args.threads:

@@ -83,6 +83,40 @@ def _attention(result: Result) -> list[str]:
     return [intro, "", *_table(header, rows), *([""] + goals if goals else [])]
 
 
+def _hybrid_attention(result: Result) -> list[str]:
+    meta = result["meta"]
+    intro = (
+        f"One joint attention call: batch {meta['batch']}, {meta['heads']} heads x {meta['head_dim']}, "
+        f"{meta['dtype']}, a square image grid plus {result['rows'][0]['text_tokens']} text tokens, threads: "
+        f"{meta['threads']}. `T5 ttt`: T5 over all tokens (the paper's joint mode); `hybrid`: exact softmax "
+        "wherever text takes part, T5 between image tokens. Fraction = T5 time / SDPA time; growth over the "
+        "previous row's image tokens."
+    )
+    rows = []
+    for row in result["rows"]:
+        if row["status"] != "ok":
+            rows.append([row["image_tokens"], row["status"]])
+            continue
+        for kind in ("fwd", "fwdbwd"):
+            if f"{kind}_sdpa_ms" not in row:
+                continue
+            growth = row.get(f"{kind}_hybrid_growth")
+            rows.append(
+                [
+                    row["image_tokens"],
+                    "forward" if kind == "fwd" else "forward + backward",
+                    *(_ms(row[f"{kind}_{path}_ms"]) for path in ("sdpa", "t5", "hybrid")),
+                    *(f"{row[f'{kind}_{path}_fraction_of_sdpa']:.3f}" for path in ("t5", "hybrid")),
+                    _x(row[f"{kind}_hybrid_speedup_vs_sdpa"]),
+                    f"{growth:.2f}x" if growth else "-",
+                ]
+            )
+    header = ["image N", "pass", "SDPA ms", "T5 ttt ms", "hybrid ms", "ttt fraction", "hybrid fraction",
+              "hybrid speedup", "hybrid growth"]  # fmt: skip
+    goals = [f"* goal: {goal}" for goal in meta.get("goals", [])]
+    return [intro, "", *_table(header, rows), *([""] + goals if goals else [])]
+
+
 def _kernels(result: Result) -> list[str]:
     meta = result["meta"]
     intro = (
@@ -274,6 +308,12 @@ Renderer = Callable[[Result], list[str]]
 # (file name pattern, section title, command that writes it, renderer); the first match wins.
 SECTIONS: tuple[tuple[str, str, str, Renderer], ...] = (
     ("attention_*.json", "T5Attention vs SDPA", "python -m benchmarks.bench_attention", _attention),
+    (
+        "hybrid_attention_*.json",
+        "Hybrid joint attention vs SDPA",
+        "python -m benchmarks.bench_hybrid_attention",
+        _hybrid_attention,
+    ),
     ("kernels_sweep_*.json", "Kernel launch settings", "python -m benchmarks.sweep_kernels", _sweep),
     ("kernels_*.json", "Triton kernels", "python -m benchmarks.bench_kernels", _kernels),
     ("comfy_step_*.json", "One ComfyUI sampling step", "python -m benchmarks.bench_comfy_step", _comfy_step),
