@@ -64,4 +64,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # End the process without finalizing the interpreter. gloo's worker threads outlive
+    # destroy_process_group() (FSDP2's device mesh, kept by DTensor's caches, holds the group), and a
+    # worker that drops a finished collective's tensors takes the GIL; if Python 3.11 starts finalizing
+    # meanwhile it ends that thread inside a noexcept destructor, and the process aborts after a good run
+    # ("terminate called without an active exception", pytorch/pytorch#190489). All output is written.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
