@@ -291,7 +291,9 @@ def _previous(name: str, budget: Budget, plan: EvalPlan) -> list[dict]:
     if not path.is_file():
         return []
     payload = json.loads(path.read_text())
-    if payload["meta"].get("budget") != asdict(budget) or payload["meta"].get("eval") != asdict(plan):
+    # compared as stored: JSON has lists where the dataclasses have tuples
+    wanted = json.loads(json.dumps({"budget": asdict(budget), "eval": asdict(plan)}, default=str))
+    if any(payload["meta"].get(key) != value for key, value in wanted.items()):
         return []
     return payload["rows"]
 
