@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from t5core.contract import T5Layout
+from t5core.ttt import split_image
 
 __all__ = ["JointMode", "JOINT_MODES", "MERGES", "Merge", "hybrid_attention", "image_log_partition"]
 
@@ -50,13 +51,6 @@ IMAGE_QUERY_ROWS = 4096
 
 ImageAttention = Callable[[Tensor, Tensor, Tensor, T5Layout], Tensor]
 """T5 attention over image tokens only: `(q, k, v, layout)` with `(B, M, H, D)` tensors."""
-
-
-def _split(x: Tensor, text_tokens: int, text_first: bool) -> tuple[Tensor, Tensor]:
-    """`(image, text)` parts of a `(B, N, H, D)` sequence."""
-    if text_first:
-        return x[:, text_tokens:], x[:, :text_tokens]
-    return x[:, : x.shape[1] - text_tokens], x[:, x.shape[1] - text_tokens :]
 
 
 def image_log_partition(q_BHND: Tensor, k_BHND: Tensor, *, rows: int = IMAGE_QUERY_ROWS) -> Tensor:
@@ -114,7 +108,7 @@ def hybrid_attention(
     t, first = layout.text_tokens, layout.text_first
     if t == 0:
         return image_attention(q, k, v, layout)
-    (q_img, q_txt), (k_img, k_txt), (v_img, v_txt) = (_split(x, t, first) for x in (q, k, v))
+    (q_img, q_txt), (k_img, k_txt), (v_img, v_txt) = (split_image(x, t, first) for x in (q, k, v))
     image_layout = replace(layout, tokens=layout.n_image, text_tokens=0)
     o_ttt = image_attention(q_img.contiguous(), k_img.contiguous(), v_img.contiguous(), image_layout)
     with torch.autocast(device_type=q.device.type, enabled=False):

@@ -38,6 +38,7 @@ __all__ = [
     "inner_step",
     "key_instance_norm",
     "reference_attention",
+    "split_image",
     "t5_attention_ref",
 ]
 
@@ -57,7 +58,8 @@ def key_instance_norm(k: Tensor, eps: float = 1.0) -> Tensor:
     return (k32 - mean) * torch.rsqrt(var + eps)
 
 
-def _split_image(x: Tensor, text_tokens: int, text_first: bool) -> tuple[Tensor, Tensor]:
+def split_image(x: Tensor, text_tokens: int, text_first: bool) -> tuple[Tensor, Tensor]:
+    """`(image, text)` token parts of a `(B, N, ...)` sequence with text first or last."""
     n_img = x.shape[1] - text_tokens
     if text_first:
         return x[:, text_tokens:], x[:, :text_tokens]
@@ -94,7 +96,7 @@ def apply_locality(
     b, _, heads, dim = x.shape
     h, w = grid
     x32 = x.float()
-    image, text = _split_image(x32, text_tokens, text_first)
+    image, text = split_image(x32, text_tokens, text_first)
     image_BCHW = image.reshape(b, h, w, heads * dim).permute(0, 3, 1, 2)
     bias32 = None if bias is None else bias.float()
     conv = F.conv2d(image_BCHW, weight.float(), bias32, padding=1, groups=heads * dim)

@@ -34,6 +34,7 @@ def test_the_call_contract_and_the_reference_list_their_public_names():
         "inner_step",
         "key_instance_norm",
         "reference_attention",
+        "split_image",
         "t5_attention_ref",
     ]
 
