@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.timing import header_line, write_json
-from trainer.memory import GIB, ParamCounts, RunShape, plan_memory
+from trainer.memory import GIB, ParamCounts, PlanSettings, RunShape, plan_memory
 
 RECIPE = Path(__file__).resolve().parent.parent / "trainer" / "configs" / "sd35_medium_24gb.toml"
 TOLERANCE = 0.15
@@ -195,15 +195,10 @@ def main() -> None:
     print(f"{'phase':36} {'plan GiB':>9} {'measured':>9} {'plan/meas':>9}  within 15%  step s")
     rows = []
     for checkpointing in (False, True):
-        plan = plan_memory(
-            counts,
-            shape,
-            mode=measured["mode"],
-            world_size=1,
-            precision="bf16",
-            gradient_checkpointing=checkpointing,
-            runtime_margin_gib=0.0,
+        settings = PlanSettings(
+            mode=measured["mode"], world_size=1, precision="bf16", gradient_checkpointing=checkpointing
         )
+        plan = plan_memory(counts, shape, settings, runtime_margin_gib=0.0)
         if not rows:
             rows.append(
                 dict(phase="load: fp32 model, converted", plan_gib=plan.load_gib, measured_gib=measured["load_gib"])

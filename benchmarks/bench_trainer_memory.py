@@ -22,7 +22,7 @@ import torch
 from benchmarks.timing import header_line, write_json
 from t5core.hosts.diffusers import linearize
 from trainer.config import ModelConfig, OptimConfig
-from trainer.memory import ParamCounts, RunShape, count_parameters, plan_memory
+from trainer.memory import ParamCounts, PlanSettings, RunShape, count_parameters, plan_memory
 from trainer.model import CONFIGS_DIR, split_parameters
 
 logger = logging.getLogger(__name__)
@@ -87,12 +87,15 @@ def main() -> None:
             t5_counts, softmax_counts = _counts(model, trainable)
             for mode in ("ddp", "fsdp2"):
                 for teacher in (False, True):
-                    settings = dict(mode=mode, world_size=args.gpus, precision="bf16", gradient_checkpointing=True)
-                    teacher_params = total if teacher else 0
-                    plan = plan_memory(
-                        t5_counts, shape, **settings, teacher_params=teacher_params, budget_gib=args.gpu_gib
+                    settings = PlanSettings(
+                        mode=mode,
+                        world_size=args.gpus,
+                        precision="bf16",
+                        gradient_checkpointing=True,
+                        teacher_params=total if teacher else 0,
                     )
-                    base_gib = plan_memory(softmax_counts, shape, **settings, teacher_params=teacher_params).total_gib
+                    plan = plan_memory(t5_counts, shape, settings, budget_gib=args.gpu_gib)
+                    base_gib = plan_memory(softmax_counts, shape, settings).total_gib
                     fits = "yes" if plan.fits else "NO"
                     print(
                         f"{name:13} {trainable:10} {mode:6} {'yes' if teacher else 'no':8} "

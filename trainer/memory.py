@@ -7,9 +7,7 @@ unsharded blocks FSDP2 holds while computing, activations or, when larger, the A
 and a fixed runtime margin. Loading is a second peak: the trainer moves the fp32 model to the device
 before it casts or shards, so the plan is the larger of the two. The SD3.5 Medium figures were checked
 against a measured CPU training step (benchmarks/bench_memory_plan.py; within 2% at 256 px).
-
-The time estimate counts the matmul and attention FLOPs of a step and divides by a GPU's dense bf16
-peak at an assumed utilisation: a planning figure, never a measurement.
+`check_plan` adds the run's time estimate (`trainer.time_estimate`).
 """
 
 from __future__ import annotations
@@ -17,8 +15,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from trainer.time_estimate import GPUS, TimeEstimate, estimate_time, find_gpu
 
 if TYPE_CHECKING:
     from t5core.config import BaseArch
@@ -27,19 +27,14 @@ if TYPE_CHECKING:
     from trainer.model import ParamSplit
 
 __all__ = [
-    "GPUS",
-    "GpuSpec",
     "MemoryPlan",
     "ParamCounts",
+    "PlanSettings",
     "RunShape",
-    "TimeEstimate",
     "check_plan",
     "count_parameters",
-    "estimate_time",
-    "find_gpu",
     "plan_memory",
     "run_shape",
-    "step_flops",
     "suggest",
 ]
 
@@ -129,92 +124,30 @@ def run_shape(
 
 
 @dataclass(frozen=True, slots=True)
-class GpuSpec:
-    """A GPU the time estimate knows: memory as torch reports it, dense bf16 tensor-core peak."""
+class PlanSettings:
+    """The settings a memory plan depends on, beside the model and the batch."""
 
-    name: str
-    memory_gib: float
-    bf16_tflops: float
+    mode: Literal["ddp", "fsdp2"]
+    """Parallelism (`--parallel.mode`)."""
+    world_size: int
+    """Processes, one per GPU."""
+    precision: Literal["fp32", "bf16"]
+    """Compute precision (`--training.precision`)."""
+    gradient_checkpointing: bool
+    """Recompute blocks in backward (`--training.gradient_checkpointing`)."""
+    teacher_params: int = 0
+    """Parameters of the frozen teacher (0 = none)."""
 
-
-GPUS = (
-    GpuSpec("RTX 4090", 23.6, 165.0),
-    GpuSpec("H100 80GB", 79.1, 989.0),
-    GpuSpec("A100 80GB", 79.1, 312.0),
-    GpuSpec("H20", 94.0, 148.0),
-    GpuSpec("H200", 139.8, 989.0),
-)
-"""Vendor datasheet peaks (dense, no sparsity). Without a device name (planning with
-`--parallel.gpu_memory_gib` on another machine) the first card with at least the budget stands in."""
-ASSUMED_UTILISATION = 0.35
-"""Fraction of the bf16 peak a fine-tune reaches (an assumption for the estimate, not a measurement)."""
-
-
-def find_gpu(device_name: str | None, budget_gib: float | None) -> GpuSpec | None:
-    """The `GPUS` entry named in `device_name`, else the first with at least `budget_gib`; None if neither."""
-    if device_name:
-        named = [gpu for gpu in GPUS if gpu.name.split()[0].lower() in device_name.lower()]
-        return max(named, key=lambda gpu: len(gpu.name), default=None)
-    if budget_gib is None:
-        return None
-    return next((gpu for gpu in GPUS if gpu.memory_gib >= budget_gib), None)
-
-
-def step_flops(shape: RunShape, *, trained_fraction: float, gradient_checkpointing: bool) -> float:
-    """Estimated FLOPs of one training step on one rank.
-
-    Per token, a joint block's image and text streams each run 12 hidden^2 weights (q, k, v, output,
-    4x MLP) and an image-only block 4 more on image tokens; each softmax module adds 4 * tokens^2 *
-    hidden. Backward computes input gradients everywhere (one more forward) and weight gradients for the
-    trained fraction; softmax attention's backward is twice its forward; checkpointing adds a forward.
-    T5 modules cost linear time like the projections, small beside them, and are left out.
-    """
-    h, b = shape.hidden, shape.batch_per_rank
-    tokens = shape.image_tokens + shape.text_tokens
-    linear = 2 * b * h * h * (12 * shape.depth * tokens + 4 * shape.image_only_blocks * shape.image_tokens)
-    attention = 4 * b * h * (shape.softmax_joint * tokens**2 + shape.softmax_image_only * shape.image_tokens**2)
-    recompute = 1 if gradient_checkpointing else 0
-    return linear * (2 + trained_fraction + recompute) + attention * (3 + recompute)
-
-
-@dataclass(frozen=True, slots=True)
-class TimeEstimate:
-    """An estimated run time: FLOPs per step on one rank over an assumed share of a GPU's peak."""
-
-    gpu: GpuSpec
-    flops_per_step: float
-    steps: int
-    max_minutes: float = 0.0
-
-    @property
-    def seconds_per_step(self) -> float:
-        return self.flops_per_step / (self.gpu.bf16_tflops * 1e12 * ASSUMED_UTILISATION)
-
-    @property
-    def capped(self) -> bool:
-        """Whether `--training.max_minutes` ends the run before its last step."""
-        return bool(self.max_minutes) and self.steps * self.seconds_per_step > self.max_minutes * 60
-
-    @property
-    def hours(self) -> float:
-        return self.max_minutes / 60 if self.capped else self.steps * self.seconds_per_step / 3600
-
-    def summary(self) -> str:
-        capped = " (stopped by --training.max_minutes)" if self.capped else ""
-        return (
-            f"estimated time {self.hours:.1f} h{capped}: {self.steps} steps x {self.seconds_per_step:.2f} s "
-            f"({self.flops_per_step / 1e12:.1f} TFLOP per step per GPU on an {self.gpu.name}, "
-            f"{self.gpu.bf16_tflops:g} TFLOPS bf16 at an assumed {ASSUMED_UTILISATION:.0%} utilisation; an estimate)"
+    @classmethod
+    def of(cls, config: TrainConfig, *, world_size: int, teacher_params: int = 0) -> PlanSettings:
+        """The settings of a run as `config` says, on `world_size` processes."""
+        return cls(
+            mode=config.parallel.mode,
+            world_size=world_size,
+            precision=config.training.precision,
+            gradient_checkpointing=config.training.gradient_checkpointing,
+            teacher_params=teacher_params,
         )
-
-
-def estimate_time(
-    counts: ParamCounts, shape: RunShape, *, gpu: GpuSpec, gradient_checkpointing: bool, steps: int, max_minutes: float
-) -> TimeEstimate:
-    """The `TimeEstimate` of `steps` optimizer steps (stopping early at `max_minutes` when it is set)."""
-    fraction = counts.trained / max(counts.trained + counts.frozen, 1)
-    flops = step_flops(shape, trained_fraction=fraction, gradient_checkpointing=gradient_checkpointing)
-    return TimeEstimate(gpu, flops, steps, max_minutes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +157,7 @@ class MemoryPlan:
 
     components: dict[str, float]
     budget_gib: float | None
-    settings: dict[str, object] = field(default_factory=dict)
+    settings: PlanSettings
     load_gib: float = 0.0
     time: TimeEstimate | None = None
 
@@ -249,12 +182,8 @@ class MemoryPlan:
 def plan_memory(
     counts: ParamCounts,
     shape: RunShape,
+    settings: PlanSettings,
     *,
-    mode: str,
-    world_size: int,
-    precision: str,
-    gradient_checkpointing: bool,
-    teacher_params: int = 0,
     budget_gib: float | None = None,
     runtime_margin_gib: float = RUNTIME_MARGIN_GIB,
 ) -> MemoryPlan:
@@ -263,15 +192,13 @@ def plan_memory(
     Args:
         counts (`ParamCounts`): parameters of the converted student by role.
         shape (`RunShape`): batch per rank and token counts.
-        mode (`"ddp" | "fsdp2"`): parallelism. world_size: processes.
-        precision (`"fp32" | "bf16"`): compute precision.
-        gradient_checkpointing (`bool`): recompute blocks in backward.
-        teacher_params (`int`, *optional*): parameters of the frozen teacher (0 = none).
+        settings (`PlanSettings`): parallelism, precision, checkpointing and the teacher.
         budget_gib (`float`, *optional*): memory per GPU to check against.
         runtime_margin_gib (`float`, *optional*): fixed GPU runtime overhead; 0 for a CPU run.
     """
-    low = 2 if precision == "bf16" else 4
-    shards = world_size if mode == "fsdp2" else 1
+    mode, teacher_params = settings.mode, settings.teacher_params
+    low = 2 if settings.precision == "bf16" else 4
+    shards = settings.world_size if mode == "fsdp2" else 1
     frozen_bytes = 4 if mode == "fsdp2" else low
     teacher = teacher_params * (4 if mode == "fsdp2" else low) / shards / GIB
     components = {
@@ -283,7 +210,7 @@ def plan_memory(
     }
     tokens = shape.batch_per_rank * (shape.image_tokens + shape.text_tokens)
     per_block = BLOCK_ACTIVATION_WIDTHS * tokens * shape.hidden * low
-    if gradient_checkpointing:
+    if settings.gradient_checkpointing:
         # Saved: each block's two input streams; live: one block being recomputed.
         activations = shape.depth * 2 * tokens * shape.hidden * low + per_block
     else:
@@ -294,46 +221,35 @@ def plan_memory(
     components["runtime margin"] = runtime_margin_gib
     # The trainer moves the whole fp32 student (and the teacher) to the device before casting or sharding.
     load = ((counts.trained + counts.frozen + counts.buffers) * 4 + teacher_params * low) / GIB + runtime_margin_gib
-    settings = dict(
-        mode=mode, world_size=world_size, precision=precision, gradient_checkpointing=gradient_checkpointing
-    )
     return MemoryPlan(components, budget_gib, settings, load_gib=load)
 
 
-def suggest(
-    counts: ParamCounts,
-    shape: RunShape,
-    *,
-    mode: str,
-    world_size: int,
-    precision: str,
-    gradient_checkpointing: bool,
-    teacher_params: int,
-    budget_gib: float,
-) -> list[str]:
+_FIXES = (
+    ("--training.gradient_checkpointing true", dict(gradient_checkpointing=True)),
+    ("--training.precision bf16", dict(precision="bf16")),
+    ("--parallel.mode fsdp2", dict(mode="fsdp2")),
+    (
+        "--parallel.mode fsdp2 --training.precision bf16 --training.gradient_checkpointing true",
+        dict(mode="fsdp2", precision="bf16", gradient_checkpointing=True),
+    ),
+)
+"""Flag changes `suggest` tries, cheapest first, with the `PlanSettings` fields they set."""
+
+
+def suggest(counts: ParamCounts, shape: RunShape, settings: PlanSettings, *, budget_gib: float) -> list[str]:
     """Flag changes that make a plan fit, cheapest first (each checked with `plan_memory`)."""
-    options = [
-        ("--training.gradient_checkpointing true", dict(gradient_checkpointing=True)),
-        ("--training.precision bf16", dict(precision="bf16")),
-        ("--parallel.mode fsdp2", dict(mode="fsdp2")),
-        (
-            "--parallel.mode fsdp2 --training.precision bf16 --training.gradient_checkpointing true",
-            dict(mode="fsdp2", precision="bf16", gradient_checkpointing=True),
-        ),
-    ]
-    base = dict(mode=mode, world_size=world_size, precision=precision, gradient_checkpointing=gradient_checkpointing)
     found = []
-    for flags, change in options:
-        if all(base[key] == value for key, value in change.items()):
+    for flags, change in _FIXES:
+        if all(getattr(settings, key) == value for key, value in change.items()):
             continue
-        plan = plan_memory(counts, shape, **{**base, **change}, teacher_params=teacher_params, budget_gib=budget_gib)
+        plan = plan_memory(counts, shape, dataclasses.replace(settings, **change), budget_gib=budget_gib)
         if plan.fits:
             found.append(f"{flags} (about {plan.total_gib:.1f} GiB)")
     if shape.batch_per_rank > 1:
         smaller = dataclasses.replace(shape, batch_per_rank=1)
-        plan = plan_memory(counts, smaller, **base, teacher_params=teacher_params, budget_gib=budget_gib)
+        plan = plan_memory(counts, smaller, settings, budget_gib=budget_gib)
         if plan.fits:
-            found.append(f"--training.batch_size {world_size} (1 per GPU; about {plan.total_gib:.1f} GiB)")
+            found.append(f"--training.batch_size {settings.world_size} (1 per GPU; about {plan.total_gib:.1f} GiB)")
     return found
 
 
@@ -359,22 +275,19 @@ def check_plan(
     Raises:
         RuntimeError: the plan does not fit; the message lists flag changes that would, or says that none does.
     """
-    settings = dict(
-        mode=config.parallel.mode,
-        world_size=world_size,
-        precision=config.training.precision,
-        gradient_checkpointing=config.training.gradient_checkpointing,
-        teacher_params=teacher_params,
-    )
-    margin = {} if budget_gib is not None else {"runtime_margin_gib": 0.0}
-    plan = plan_memory(counts, shape, **settings, budget_gib=budget_gib, **margin)
+    settings = PlanSettings.of(config, world_size=world_size, teacher_params=teacher_params)
+    margin = RUNTIME_MARGIN_GIB if budget_gib is not None else 0.0
+    plan = plan_memory(counts, shape, settings, budget_gib=budget_gib, runtime_margin_gib=margin)
     gpu = find_gpu(device_name, budget_gib)
+    if gpu is None and device_name:
+        known = ", ".join(gpu.name for gpu in GPUS)
+        logger.info("No time estimate: %s is not a GPU trainer.time_estimate knows (%s)", device_name, known)
     if gpu is not None:
         time = estimate_time(
             counts,
             shape,
             gpu=gpu,
-            gradient_checkpointing=config.training.gradient_checkpointing,
+            gradient_checkpointing=settings.gradient_checkpointing,
             steps=config.training.steps,
             max_minutes=config.training.max_minutes,
         )
@@ -388,7 +301,7 @@ def check_plan(
             f"{sum(plan.components.values()):.1f} GiB). Use a GPU with at least {math.ceil(plan.load_gib)} GiB"
         )
     else:
-        fixes = suggest(counts, shape, **settings, budget_gib=budget_gib)
+        fixes = suggest(counts, shape, settings, budget_gib=budget_gib)
         hint = "; ".join(fixes) if fixes else "train fewer weights (--model.trainable t5)"
     raise RuntimeError(
         f"the run needs about {plan.total_gib:.1f} GiB per GPU but has {budget_gib:.1f} GiB ({plan.summary()}). "

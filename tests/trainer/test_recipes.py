@@ -12,16 +12,15 @@ from t5core.hosts.diffusers import linearize
 from testing.models import shipped_config
 from trainer.cli import parse_args
 from trainer.config import TrainConfig
-from trainer.memory import GPUS, MemoryPlan, check_plan, count_parameters, run_shape
+from trainer.memory import MemoryPlan, check_plan, count_parameters, run_shape
 from trainer.model import CONFIGS_DIR, split_parameters
 from trainer.prepare import bucket_sizes
+from trainer.time_estimate import GPUS
 
 RECIPES = CONFIGS_DIR.parent
 TEXT_TOKENS = 77 + 256
 PIXELS_PER_TOKEN = 16
 """VAE factor 8 x patch 2."""
-DEVICE_NAMES = {"RTX 4090": "NVIDIA GeForce RTX 4090", "H100 80GB": "NVIDIA H100 80GB HBM3", "H20": "NVIDIA H20"}
-"""What `torch.cuda.get_device_name` reports on each card."""
 CASES = [
     pytest.param("sd35_medium_24gb.toml", "sd3.5_medium", "RTX 4090", 1, id="medium-1xRTX4090"),
     pytest.param("sd35_medium_80gb.toml", "sd3.5_medium", "H100 80GB", 1, id="medium-1xH100"),
@@ -58,7 +57,7 @@ def _plan(config: TrainConfig, model: str, gpu_name: str, world_size: int) -> Me
         shape,
         world_size=world_size,
         budget_gib=gpu.memory_gib,
-        device_name=DEVICE_NAMES[gpu_name],
+        device_name=gpu.device_names[0],
     )
 
 
