@@ -1,5 +1,8 @@
-"""The reference math: closed form vs autograd, key-norm shift invariance, locality vs a direct
-convolution, token order, batch independence and low-precision inputs."""
+"""The reference math: the inner model and loss against DESIGN.md's formulas computed by hand, closed
+form vs autograd, key-norm shift invariance, locality vs a direct convolution, token order, batch
+independence and low-precision inputs."""
+
+import math
 
 import pytest
 import torch
@@ -156,10 +159,62 @@ def test_the_reference_never_writes_into_its_inputs():
         assert torch.equal(x, c)
 
 
-def test_inner_apply_with_unchanged_weights_is_the_inner_model():
-    x = torch.randn(1, 2, 5, 4)
-    w = tuple(torch.randn(2, 4, 4) for _ in range(3))
-    torch.testing.assert_close(inner_apply(x, w, "swiglu"), (F.silu(x @ w[0]) * (x @ w[1])) @ w[2])
+def _silu(z: float) -> float:
+    return z / (1.0 + math.exp(-z))
+
+
+def _matvec(x: list[float], w: list[list[float]]) -> list[float]:
+    """Row vector `x` times matrix `w`."""
+    return [sum(x[i] * w[i][j] for i in range(len(x))) for j in range(len(w[0]))]
+
+
+def inner_model_by_hand(x: list[float], weights: list[list[list[float]]], variant: str) -> list[float]:
+    """f(x) of DESIGN.md section 2 for one token of one head, in Python floats: swiglu
+    (silu(x W1) * (x W2)) W3, mlp silu(x W1) W2."""
+    if variant == "swiglu":
+        w1, w2, w3 = weights
+        return _matvec([_silu(a) * b for a, b in zip(_matvec(x, w1), _matvec(x, w2), strict=True)], w3)
+    w1, w2 = weights
+    return _matvec([_silu(a) for a in _matvec(x, w1)], w2)
+
+
+def _fast_weights_and_tokens(variant: str, heads: int = 2, tokens: int = 3, dim: int = 4):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, heads, tokens, dim, generator=g, dtype=torch.float64)
+    weights = tuple(
+        torch.randn(heads, dim, dim, generator=g, dtype=torch.float64) for _ in range(FAST_WEIGHTS[variant])
+    )
+    return x, weights
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_inner_apply_is_the_inner_model_token_by_token(variant):
+    q, weights = _fast_weights_and_tokens(variant)
+    out = inner_apply(q, weights, variant)
+    for head in range(q.shape[1]):
+        per_head = [w[head].tolist() for w in weights]
+        for token in range(q.shape[2]):
+            expected = inner_model_by_hand(q[0, head, token].tolist(), per_head, variant)
+            assert out[0, head, token].tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_inner_loss_is_the_design_loss_summed_over_heads(variant):
+    k, weights = _fast_weights_and_tokens(variant)
+    v = torch.randn(k.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    heads, tokens, dim = k.shape[1:]
+    scale = 1 / math.sqrt(dim)
+    expected = 0.0
+    for head in range(heads):
+        per_head = [w[head].tolist() for w in weights]
+        for token in range(tokens):
+            f = inner_model_by_hand(k[0, head, token].tolist(), per_head, variant)
+            target = v[0, head, token].tolist()
+            if variant == "swiglu":  # L = -(scale / N) sum_i v_i . f(k_i)
+                expected -= scale / tokens * sum(a * b for a, b in zip(target, f, strict=True))
+            else:  # L = (scale / 2N) sum_i |f(k_i) - v_i|^2
+                expected += scale / (2 * tokens) * sum((a - b) ** 2 for a, b in zip(f, target, strict=True))
+    assert inner_loss(k, v, weights, variant).item() == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize(

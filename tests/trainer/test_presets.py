@@ -1,20 +1,37 @@
-"""The model-preset registry: the toy is found by name, files are not presets, names are unique."""
+"""The model-preset registry: the toy is found by name, its card hashes the file it loads, files are not
+presets, names are unique."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import safetensors.torch
 
 from trainer.presets import get_preset, preset_data_sources, register_preset
-from trainer.toy.model import WEIGHTS_FILE
 
 
 def test_the_toy_is_a_registered_preset_with_its_own_data():
     preset = get_preset("toy")
     assert preset is not None and preset.name == "toy" and preset.data_source == "toy"
-    assert preset.weight_files() == {WEIGHTS_FILE.name: WEIGHTS_FILE}
     assert "toy" in preset_data_sources()
+
+
+def test_the_toy_card_hashes_the_files_its_base_is_read_from(monkeypatch):
+    read = []
+    load_file = safetensors.torch.load_file
+
+    def recording_load_file(path, *args, **kwargs):
+        read.append(Path(path).resolve())
+        return load_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "load_file", recording_load_file)
+    preset = get_preset("toy")
+    preset.load_base()
+    files = preset.weight_files()
+    assert read and set(read) == {path.resolve() for path in files.values()}
+    assert all(path.name == name and path.is_file() for name, path in files.items())
 
 
 @pytest.mark.parametrize("base", ["/models/sd3.5_medium.safetensors", "stabilityai/stable-diffusion-3.5-medium"])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import trainer.prepare as prepare_module
+from testing.tolerances import relative_rms
 from testing.trainer_assets import trainer_transformer, write_pipeline
 from tests.trainer.test_prepare import data_config
 from trainer.cache import CacheSource
@@ -56,14 +57,14 @@ def pipeline(tmp_path_factory):
     return write_pipeline(tmp_path_factory.mktemp("pipeline") / "sd3")
 
 
-def _generate(pipeline, cache, *, prompts_file=None, progress=False, **changes):
+def _generate(pipeline, cache, *, prompts_file=None, progress=False, transformer=None, **changes):
     """A prompts cache from the tiny pipeline on one CPU process: one prompt a shard, one sampling step."""
     data = data_config(source="prompts", path=str(prompts_file or ""), shard_size=1, generate_steps=1, **changes)
     world = init_world(ParallelConfig(device="cpu"))
     try:
         return prepare_prompts(
-            prompts_file, cache, pipeline=pipeline, transformer=trainer_transformer(), data=data, resolution=32,
-            world=world, progress=progress,
+            prompts_file, cache, pipeline=pipeline, transformer=transformer or trainer_transformer(), data=data,
+            resolution=32, world=world, progress=progress,
         )  # fmt: skip
     finally:
         world.close()
@@ -132,6 +133,13 @@ def test_generation_shows_progress_with_an_eta_unless_disabled(pipeline, tmp_pat
 
 def test_bf16_pipeline_generates_with_the_fp32_base(pipeline, tmp_path, monkeypatch):
     # On a GPU the pipeline loads in bf16 while the base it is handed stays fp32 for training.
+    fp32 = CacheSource(_generate(pipeline, tmp_path / "fp32", prompt_limit=1)).load([0])
     monkeypatch.setattr(prepare_module, "_pipeline_dtype", lambda world: torch.bfloat16)
-    cache = CacheSource(_generate(pipeline, tmp_path / "bf16", prompt_limit=1))
-    assert torch.isfinite(cache.load([0]).latents).all()
+    base = trainer_transformer()
+    bf16 = CacheSource(_generate(pipeline, tmp_path / "bf16", prompt_limit=1, transformer=base)).load([0])
+    assert {p.dtype for p in base.parameters()} == {torch.float32}
+    assert bf16.latents.dtype == bf16.context.dtype == torch.float32 and torch.isfinite(bf16.latents).all()
+    # The text encoders ran in bf16: the same prompt's features up to bf16 rounding (8 mantissa bits,
+    # 0.7% here), not the fp32 ones bit for bit. (The latents start from other noise: CPU randn draws
+    # bf16 and fp32 tensors of this size from the same seed differently.)
+    assert 0 < relative_rms(fp32.context, bf16.context) < 0.02

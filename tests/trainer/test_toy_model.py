@@ -71,22 +71,30 @@ def test_record_is_of_the_pretrain_scripts_default_recipe():
     assert load_toy_record()["recipe"] == asdict(PretrainConfig())
 
 
-def test_teacher_is_a_discriminating_benchmark():
-    # Neither saturated nor weak: a teacher on which every model scores alike proves nothing.
-    assert 0.6 <= load_toy_record()["toyeval"]["overall"] <= 0.95
-
-
-def test_teacher_reproduces_recorded_toyeval(teacher):
-    record = load_toy_record()
-    settings = record["toyeval_settings"]
+@pytest.fixture(scope="module")
+def teacher_hits(teacher):
+    """Whether each of the first REPRO_SAMPLES ToyEval samples passes, sampled from the teacher now
+    with the recorded settings."""
+    settings = load_toy_record()["toyeval_settings"]
     captions, noise = eval_set(REPRO_SAMPLES, seed=settings["seed"])
     images = generate(teacher, captions, noise, steps=settings["steps"], cfg=settings["cfg"])
-    hits = [int(h["overall"]) for h in sample_hits(images, captions)]
+    return [int(h["overall"]) for h in sample_hits(images, captions)]
+
+
+def test_teacher_is_a_discriminating_benchmark(teacher_hits):
+    # Neither saturated nor weak: a teacher on which every model scores alike proves nothing. Chance
+    # is 1/180 (one caption of 180); the teacher passes 15 of these 24 (0.706 over all 180), and the
+    # bounds leave room for the 2 flips another machine's summation order may cause.
+    assert 10 <= sum(teacher_hits) <= 21, teacher_hits
+
+
+def test_teacher_reproduces_recorded_toyeval(teacher_hits):
+    record = load_toy_record()
     recorded = record["per_sample_overall"][:REPRO_SAMPLES]
     # Same noise and prompts; only float summation order differs between machines, which can
     # flip a borderline sample. Allow 2 of 24 flips, and the prefix must be near the full score.
-    assert sum(a != b for a, b in zip(hits, recorded, strict=True)) <= 2, (hits, recorded)
-    assert abs(sum(hits) / REPRO_SAMPLES - record["toyeval"]["overall"]) <= 0.25
+    assert sum(a != b for a, b in zip(teacher_hits, recorded, strict=True)) <= 2, (teacher_hits, recorded)
+    assert abs(sum(teacher_hits) / REPRO_SAMPLES - record["toyeval"]["overall"]) <= 0.25
 
 
 def test_sigma_schedule_endpoints_and_shift():
