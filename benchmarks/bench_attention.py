@@ -15,14 +15,10 @@ quantiles). On a machine other jobs share, the paths so see the same load; the l
 printed. Speedup vs SDPA = SDPA time / T5 time (> 1: T5 is faster); growth = time at N / time at
 the previous N.
 
-Peak memory: the most memory one call holds at once above its inputs and output (MiB). On CUDA,
-`torch.cuda.max_memory_allocated` above the allocation before the call, less the output's bytes. On
-CPU, the call runs under
-`torch.profiler` with `profile_memory=True`, which records every allocation and free of torch's CPU
-allocator made while it runs (the inputs, made before, do not count); the number is the peak of
-their running sum, the output's allocation left out (the output is not always alive at the peak).
-This counts the tensors themselves, not the process RSS: it does not depend on malloc caching or
-on the other processes on the machine, so unlike time it is not disturbed by load.
+Peak memory: the most memory one call holds at once above its inputs and output (MiB), as
+`testing.peak_memory.peak_memory_mib` measures it: CUDA's allocator peak, or on CPU the profiler's
+record of every allocation, which counts the tensors themselves, not the process RSS, so unlike time
+it is not disturbed by load.
 
 `--chunk-sweep` also times the chunked path (in turn, as above) and measures its peak at the largest
 N for each chunk size given (how `t5core.ttt_chunked.DEFAULT_CHUNK_TOKENS` was chosen). The table is printed with
@@ -34,11 +30,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import statistics
-import tempfile
 from collections.abc import Callable
 
 import torch
@@ -49,6 +43,7 @@ from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, time_fn,
 from t5core import T5Attention
 from t5core.ttt import t5_attention_ref
 from t5core.ttt_chunked import DEFAULT_CHUNK_TOKENS, t5_attention_chunked
+from testing.peak_memory import peak_memory_mib
 from testing.tolerances import CHUNKED_RATIO, relative_rms
 
 PATHS = ("sdpa", "ref", "chunked")
@@ -92,46 +87,6 @@ def make_case(n: int, args: argparse.Namespace) -> tuple[dict[str, Callable[...,
         return relative_rms(ref, out) if torch.isfinite(out).all() else math.inf
 
     return {"sdpa": run_sdpa, "ref": run_ref, "chunked": run_chunked}, check
-
-
-def _cpu_peak_mib(fn: Callable[[], Tensor]) -> float:
-    profiler = torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, acc_events=True
-    )
-    with profiler as prof:
-        out = fn()
-    with tempfile.TemporaryDirectory() as directory:
-        path = os.path.join(directory, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as file:
-            events = json.load(file)["traceEvents"]
-    # (time, bytes, address) of every allocation (+) and free (-) made while profiling
-    changes = sorted(
-        (event["ts"], event["args"]["Bytes"], event["args"]["Addr"])
-        for event in events
-        if event.get("name") == "[memory]"
-    )
-    output = out.untyped_storage().data_ptr()
-    output_at = max((ts for ts, nbytes, address in changes if address == output and nbytes > 0), default=math.inf)
-    # the allocator's own running total drifts across profiling sessions (frees made while no profiler
-    # runs are not counted), so the total is summed here; the output's bytes leave it once allocated
-    total, peak = 0, 0
-    for ts, nbytes, address in changes:
-        total += 0 if ts == output_at and address == output else nbytes
-        peak = max(peak, total)
-    return peak / 2**20
-
-
-def peak_memory_mib(fn: Callable[[], Tensor], device: str) -> float:
-    """Peak memory of `fn()` above its inputs and its output, in MiB (module docstring)."""
-    if device != "cuda":
-        return _cpu_peak_mib(fn)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()) / 2**20
 
 
 def time_in_turn(fns: dict[str, Callable[[], Tensor]], rounds: int) -> dict[str, dict[str, float]]:

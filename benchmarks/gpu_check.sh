@@ -5,7 +5,7 @@
 #   tests  pytest tests/t5kernels on CUDA: SD3.5 shapes, bf16, bit-repeatability, sm_80/90 compile
 #   bench  python3 -m benchmarks.bench_kernels --backward --model-step  -> kernels_cuda.json
 #   sweep  python3 -m benchmarks.sweep_kernels (launch settings at 2K)  -> kernels_sweep_cuda.json
-#   comfy  python3 -m benchmarks.comfy_dynamic_vram: a real ComfyUI 0.33 server on CUDA (Dynamic VRAM), T5 on,
+#   comfy  python3 -m tools.comfy_dynamic_vram: a real ComfyUI 0.33 server on CUDA (Dynamic VRAM), T5 on,
 #          T5 off, a LoRA after the node, the same prompt twice     -> comfy_dynamic_vram_cuda.json
 #
 #   bash benchmarks/gpu_check.sh                 # all four, in that order
@@ -65,7 +65,7 @@ for name in "${@:-tests bench sweep comfy}"; do
                        --ignore=tests/t5kernels/test_bench_kernels.py ;;
             bench) stage bench 150 python3 -m benchmarks.bench_kernels --backward --model-step --results-dir "$out" ;;
             sweep) stage sweep 120 python3 -m benchmarks.sweep_kernels --budget-s 95 --results-dir "$out" ;;
-            comfy) stage comfy 75 python3 -m benchmarks.comfy_dynamic_vram --comfyui "${COMFYUI_TREE:-.comfyui/0.33.0}" \
+            comfy) stage comfy 75 python3 -m tools.comfy_dynamic_vram --comfyui "${COMFYUI_TREE:-.comfyui/0.33.0}" \
                        --results-dir "$out" ;;
             *) echo "unknown stage '$one' (tests, bench, sweep, comfy)" | tee -a "$log"; exit 2 ;;
         esac

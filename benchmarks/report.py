@@ -317,7 +317,7 @@ SECTIONS: tuple[tuple[str, str, str, Renderer], ...] = (
     ("kernels_sweep_*.json", "Kernel launch settings", "python -m benchmarks.sweep_kernels", _sweep),
     ("kernels_*.json", "Triton kernels", "python -m benchmarks.bench_kernels", _kernels),
     ("comfy_step_*.json", "One ComfyUI sampling step", "python -m benchmarks.bench_comfy_step", _comfy_step),
-    ("comfy_dynamic_vram_*.json", "ComfyUI Dynamic VRAM", "python -m benchmarks.comfy_dynamic_vram", _dynamic_vram),
+    ("comfy_dynamic_vram_*.json", "ComfyUI Dynamic VRAM", "python -m tools.comfy_dynamic_vram", _dynamic_vram),
     ("bench_toy_speed.json", "Toy sampling speed", "python -m benchmarks.bench_toy_speed", _toy_speed),
     ("trainer_throughput.json", "Trainer throughput", "python -m benchmarks.bench_trainer_throughput", _throughput),
     ("trainer_memory.json", "Trainer memory plan", "python -m benchmarks.bench_trainer_memory", _memory),
@@ -342,7 +342,7 @@ every path against the reference before timing it, and writes its JSON under `be
 timed in the same run. What the toy ablations show is discussed in [docs/toy.md](../docs/toy.md).
 
 **GPU:** `bash benchmarks/gpu_check.sh` runs every GPU check in one go (the kernel tests on CUDA,
-`bench_kernels.py --backward --model-step`, `sweep_kernels.py`, `comfy_dynamic_vram`); its header
+`bench_kernels.py --backward --model-step`, `sweep_kernels.py`, `tools/comfy_dynamic_vram.py`); its header
 says what to carry to a GPU machine. Its JSON files, copied into `benchmarks/results/`, get their
 sections on the next `python -m benchmarks.report`."""
 

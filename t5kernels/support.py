@@ -37,7 +37,7 @@ _MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 128
 MIN_CAPABILITY = (8, 0)
 # Shared memory per block (KiB) the largest kernel needs at its default launch settings, by
 # (fp32 inputs, head dim rounded up to 64 or 128): ptxas for sm_80 and sm_90, the larger of the
-# two (`python -m tests.t5kernels.compile_cuda --all`; tests/t5kernels/test_compile_cuda.py keeps
+# two (`python -m tools.compile_cuda --all`; tests/t5kernels/test_compile_cuda.py keeps
 # the first three tight bounds). GPUs allow 99 KiB (sm_86, sm_89), 163 KiB (sm_80) or 227 KiB
 # (sm_90) per block, so fp32 at head dim 128 runs nowhere and fp32 at 64 needs an A100 or H100.
 SHARED_KIB_NEEDED = {(False, 64): 48, (True, 64): 136, (False, 128): 144, (True, 128): 464}

@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
-from benchmarks.bench_attention import peak_memory_mib
 from t5core.token_chunks import TokenChunks
 from t5core.ttt import t5_attention_ref
 from t5core.ttt_chunked import t5_attention_chunked
+from testing.peak_memory import peak_memory_mib
 from testing.tolerances import CHUNKED_RATIO, assert_close
 from tests.t5kernels.testing import Case, make_leaves, run
 

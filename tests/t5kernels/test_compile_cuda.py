@@ -1,7 +1,8 @@
 """The kernels compile for Ampere / Ada (sm_80) and Hopper (sm_90) with the settings the launch plan
 uses, and `t5kernels.support.SHARED_KIB_NEEDED`, which decides on which GPUs they run, is a tight
-bound of the shared memory they need. The interpreter shows neither, so this compiles ahead of time
-(no GPU needed; Triton's bundled ptxas) in a subprocess where `t5kernels` is not interpreted."""
+bound of the shared memory they need. The interpreter shows neither, so `python -m tools.compile_cuda`
+compiles ahead of time (no GPU needed; Triton's bundled ptxas) in a subprocess where `t5kernels` is
+not interpreted."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def compiled() -> dict[str, int]:
         pytest.skip("this Triton's ahead-of-time compile API (ASTSource) predates the one used here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "tests.t5kernels.compile_cuda", f"--jobs={min(4, os.cpu_count() or 1)}"]
+    command = [sys.executable, "-m", "tools.compile_cuda", f"--jobs={min(4, os.cpu_count() or 1)}"]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode != 0 and "ptxas" in result.stderr and "not found" in result.stderr.lower():
         pytest.skip("Triton's ptxas is unavailable here")
@@ -34,7 +35,7 @@ def compiled() -> dict[str, int]:
     return {row["id"]: row["shared"] for row in map(json.loads, result.stdout.splitlines())}
 
 
-# fp32 at head dim 128 is refused on every GPU; `python -m tests.t5kernels.compile_cuda --all`
+# fp32 at head dim 128 is refused on every GPU; `python -m tools.compile_cuda --all`
 # measures it (448 KiB on sm_80, 464 KiB on sm_90) in minutes of ptxas, too slow for a test
 @pytest.mark.parametrize("fp32, head_dim", [(False, 64), (True, 64), (False, 128)])
 def test_shared_memory_table_is_the_largest_kernel(compiled, fp32, head_dim):

@@ -1,7 +1,7 @@
 """T5 Linearize in a real ComfyUI server, as users run it: on CUDA that is ComfyUI 0.33's Dynamic VRAM.
 
-    python -m benchmarks.comfy_dynamic_vram                    # the tree testing/comfy_env.py finds
-    python -m benchmarks.comfy_dynamic_vram --comfyui PATH --results-dir DIR
+    python -m tools.comfy_dynamic_vram                    # the tree testing/comfy_env.py finds
+    python -m tools.comfy_dynamic_vram --comfyui PATH --results-dir DIR
 
 Starts `main.py` of the tree (on CUDA with its defaults, so 0.33 turns Dynamic VRAM on; `--cpu`
 without a GPU) with this pack and the testing nodes, on a tiny SD3.5-Medium-like checkpoint, a T5
@@ -17,7 +17,9 @@ off again. Checks, each recorded pass/fail with the evidence:
 * finite_latents; no_per_call_weight_copy: the T5 weights were loaded on the device, never copied
   per call; no_fallback_memory_free: no "Non dynamic memory free" (a plain patcher among dynamic ones).
 
-Prints a table and writes `comfy_dynamic_vram_<device>.json`; exits 1 if a check that applies failed.
+Prints a table and writes `comfy_dynamic_vram_<device>.json` (under `benchmarks/results/` unless
+`--results-dir` says otherwise: `python -m benchmarks.report` renders it); exits 1 if a check that
+applies failed.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ for Ampere / Ada (sm_80; sm_86 and sm_89 get the same code) and Hopper (sm_90), 
 settings `t5kernels.launch.cuda_settings` gives them, and print one JSON line per kernel with the
 shared memory per block it needs. Run in a process where `t5kernels` is compiled, not interpreted:
 
-    python -m tests.t5kernels.compile_cuda              # what the tests check
-    python -m tests.t5kernels.compile_cuda --jobs 2     # in two processes
-    python -m tests.t5kernels.compile_cuda --all        # also fp32 at head dim 128 (minutes of ptxas)
+    python -m tools.compile_cuda             # what the tests check
+    python -m tools.compile_cuda --jobs 2    # in two processes
+    python -m tools.compile_cuda --all       # also fp32 at head dim 128 (minutes of ptxas)
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Shared support for the tests and the benchmarks: tolerances, tiny models, ComfyUI trees and servers."""
