@@ -1,8 +1,24 @@
 """API-format ComfyUI prompts that sample the tiny model, shared by the node tests and the Dynamic VRAM
-check: CheckpointLoaderSimple -> ModelSamplingSD3 -> T5 Linearize -> [LoraLoaderModelOnly] ->
-KSampler (CFG, text of two lengths, a non-square batch-2 latent) -> SaveLatent."""
+check: CheckpointLoaderSimple -> ModelSamplingSD3 -> [model nodes before] -> T5 Linearize -> [model
+nodes after] -> KSampler (CFG, text of two lengths, a non-square batch-2 latent) -> SaveLatent (node
+"8", whose file `saved_latents` reads)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+ModelNode = tuple[str, dict]
+"""A node that takes a MODEL (input `model`) and returns one (output 0): its class type and its other inputs."""
+
+SAVE_NODE = "8"
+
+
+def lora_node(name: str, strength: float = 1.0) -> ModelNode:
+    """`LoraLoaderModelOnly` for `models/loras/{name}`."""
+    return "LoraLoaderModelOnly", {"lora_name": name, "strength_model": strength}
 
 
 def sampling_prompt(
@@ -13,15 +29,27 @@ def sampling_prompt(
     layers: str = "",
     enabled: bool = True,
     lora: str | None = None,
+    before: Sequence[ModelNode] = (),
+    after: Sequence[ModelNode] = (),
     steps: int = 2,
 ) -> dict:
-    """The prompt; `lora` names a file in `models/loras/` loaded after T5 Linearize (strength 1)."""
+    """The prompt.
+
+    Args:
+        checkpoint, weights: file names in `models/checkpoints/` and `models/t5_linearize/`.
+        prefix: SaveLatent's file name prefix.
+        layers, enabled: the T5 Linearize inputs.
+        lora: a file in `models/loras/` loaded after T5 Linearize (strength 1), after `after`.
+        before, after: model nodes chained, in order, between ModelSamplingSD3 and T5 Linearize and
+            between T5 Linearize and the KSampler (ids "10", "11", ...).
+        steps: KSampler steps.
+    """
     prompt = {
         "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": checkpoint}},
         "2": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["1", 0], "shift": 3.0}},
         "3": {
             "class_type": "T5Linearize",
-            "inputs": {"model": ["2", 0], "weights": weights, "layers": layers, "enabled": enabled},
+            "inputs": {"weights": weights, "layers": layers, "enabled": enabled},
         },
         "4": {
             "class_type": "T5TestConditioning",
@@ -35,7 +63,6 @@ def sampling_prompt(
         "7": {
             "class_type": "KSampler",
             "inputs": {
-                "model": ["3", 0],
                 "seed": 42,
                 "steps": steps,
                 "cfg": 4.5,
@@ -47,12 +74,24 @@ def sampling_prompt(
                 "denoise": 1.0,
             },
         },
-        "8": {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": prefix}},
+        SAVE_NODE: {"class_type": "SaveLatent", "inputs": {"samples": ["7", 0], "filename_prefix": prefix}},
     }
-    if lora is not None:
-        prompt["9"] = {
-            "class_type": "LoraLoaderModelOnly",
-            "inputs": {"model": ["3", 0], "lora_name": lora, "strength_model": 1.0},
-        }
-        prompt["7"]["inputs"]["model"] = ["9", 0]
+    extra = [*after, *([lora_node(lora)] if lora is not None else [])]
+    source = "2"
+    # None stands for T5 Linearize ("3") in the chain of model nodes
+    for number, node in enumerate([*before, None, *extra], start=10):
+        node_id = "3" if node is None else str(number)
+        if node is not None:
+            prompt[node_id] = {"class_type": node[0], "inputs": dict(node[1])}
+        prompt[node_id]["inputs"]["model"] = [source, 0]
+        source = node_id
+    prompt["7"]["inputs"]["model"] = [source, 0]
     return prompt
+
+
+def saved_latents(output_dir: Path, outputs: dict) -> torch.Tensor:
+    """The latents SaveLatent wrote for a finished prompt (`outputs`: its history or executor outputs)."""
+    from safetensors.torch import load_file
+
+    saved = outputs[SAVE_NODE]["latents"][0]
+    return load_file(str(output_dir / saved["subfolder"] / saved["filename"]))["latent_tensor"]

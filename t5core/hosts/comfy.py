@@ -11,10 +11,13 @@
 * the T5 modules live in their own patcher, of the same kind as the model's (Dynamic VRAM's
   `ModelPatcherDynamic` on ComfyUI 0.33 with NVIDIA, `ModelPatcher` otherwise), registered as an
   additional model, so ComfyUI loads, moves and offloads them with the diffusion model;
-* the file's `base.*` tensors become `("set", ...)` weight patches on ComfyUI's own layers (applied
-  when ComfyUI loads or streams those weights), and a replaced module for the few weights that live
-  in plain torch modules (the q/k RMSNorm scales), which ComfyUI's weight patches do not reach under
-  Dynamic VRAM or a partial load.
+* the file's `base.*` tensors become `("diff", ...)` weight patches on ComfyUI's own layers: the
+  fine-tuned value minus the weight the model stores, in fp32 (applied when ComfyUI loads or streams
+  those weights). LoRA patches add too, so a LoRA before or after the node gives the same model; a
+  `("set", ...)` patch would discard a LoRA placed before it. The few weights that live in plain
+  torch modules (the q/k RMSNorm scales), which ComfyUI's weight patches do not reach under Dynamic
+  VRAM or a partial load, get a replaced module instead; in a full load ComfyUI patches the replaced
+  module, so a LoRA on such a scale adds on top of the fine-tuned value there too.
 
 Dropping the clone (or bypassing the node) gives the original model back exactly.
 
@@ -33,6 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from t5core.config import BaseArch
@@ -101,32 +105,62 @@ def converted_layers(model_patcher: Any) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class _BasePlan:
-    """Where the file's `base.*` tensors go: `("set", ...)` weight patches for ComfyUI's own layers
-    (`comfy.ops`, patched wherever and whenever ComfyUI loads or streams them), and replacement
-    modules, by path under the diffusion model, for plain torch modules such as the q/k RMSNorm,
-    whose parameters ComfyUI 0.33 neither patches under Dynamic VRAM nor in a partial load."""
+    """Where the file's `base.*` tensors go: `("diff", ...)` weight patches, the fine-tuned value minus
+    the model's stored one, for ComfyUI's own layers (`comfy.ops`, patched wherever and whenever ComfyUI
+    loads or streams them; additive, so they commute with LoRA patches placed before or after the
+    node), and replacement modules, by path under the diffusion model, for plain torch modules such as
+    the q/k RMSNorm, whose parameters ComfyUI 0.33 neither patches under Dynamic VRAM nor in a partial
+    load."""
 
     weight_patches: dict[str, tuple]
     modules: dict[str, nn.Module]
 
 
-def _diffusion_state(model_patcher: Any) -> dict[str, Tensor]:
-    """The diffusion model's tensors by SD3 checkpoint name (ComfyUI's own names without `diffusion_model.`)."""
-    state = model_patcher.model_state_dict(filter_prefix="diffusion_model.")
-    return {key.removeprefix("diffusion_model."): tensor for key, tensor in state.items()}
+@dataclass(frozen=True)
+class _Stored:
+    """A diffusion-model tensor as ComfyUI stores it, and ComfyUI's function that turns it into the
+    weight its patches apply to (it dequantizes a quantized layer; identity otherwise)."""
+
+    tensor: Tensor
+    convert: Callable[..., Tensor]
+
+    def value(self) -> Tensor:
+        """The weight patches apply to, in fp32 on the CPU."""
+        return self.convert(self.tensor.to(device="cpu", dtype=torch.float32, copy=True), inplace=True)
 
 
-def _plan_base(prepared: Prepared, state: Callable[[], Mapping[str, Tensor]], diffusion: nn.Module) -> _BasePlan:
-    """Route the file's checked `base.*` tensors (see `_BasePlan`); `state` gives the model's dtypes."""
+def _stored_tensors(model_patcher: Any) -> dict[str, _Stored]:
+    """The diffusion model's own tensors by SD3 checkpoint name (ComfyUI's names without
+    `diffusion_model.`). The live modules may hold the patched weights of another clone that ComfyUI
+    loaded last (a LoRA of an earlier prompt); `get_key_patches` reads ComfyUI's backup of the
+    originals instead."""
+    entries = model_patcher.get_key_patches(filter_prefix="diffusion_model.")
+    return {key.removeprefix("diffusion_model."): _Stored(*patches[0]) for key, patches in entries.items()}
+
+
+def _fresh_copy(module: nn.Module) -> nn.Module:
+    """A copy of a model module to install in its place. ComfyUI marks the modules whose weights it
+    patched for the clone it loaded (`comfy_patched_weights`) and skips marked modules when it loads the
+    next one; a copy that inherited the mark would never get a LoRA's patch of its weights."""
+    replacement = copy.deepcopy(module)
+    vars(replacement).pop("comfy_patched_weights", None)
+    return replacement
+
+
+def _plan_base(prepared: Prepared, stored: Callable[[], Mapping[str, _Stored]], model_patcher: Any) -> _BasePlan:
+    """Route the file's checked `base.*` tensors (see `_BasePlan`); `stored` gives the model's own tensors."""
     plan = _BasePlan({}, {})
     for key, tensor in prepared.base.items():
         owner_name, _, attribute = key.rpartition(".")
-        owner = diffusion.get_submodule(owner_name)
+        # this clone's module: another clone's object patch may be installed in the live model
+        owner = model_patcher.get_model_object(f"diffusion_model.{owner_name}")
         if hasattr(owner, "comfy_cast_weights"):
-            plan.weight_patches[f"diffusion_model.{key}"] = ("set", (tensor,))
+            delta = tensor.to(torch.float32) - stored()[key].value()
+            plan.weight_patches[f"diffusion_model.{key}"] = ("diff", (delta,))
         elif attribute in owner._parameters and not any(True for _ in owner.children()):
-            replacement = plan.modules.get(owner_name) or copy.deepcopy(owner)
-            setattr(replacement, attribute, nn.Parameter(tensor.to(state()[key].dtype), requires_grad=False))
+            replacement = plan.modules.get(owner_name) or _fresh_copy(owner)
+            dtype = stored()[key].tensor.dtype
+            setattr(replacement, attribute, nn.Parameter(tensor.to(dtype), requires_grad=False))
             plan.modules[owner_name] = replacement
         else:
             raise T5WeightsError(
@@ -181,13 +215,17 @@ def linearize(
             f"this MODEL already runs T5 attention on {', '.join(converted_layers(model_patcher))}. "
             "Use one T5 Linearize node per model: connect it to the model before the first T5 Linearize."
         )
-    state = functools.cache(functools.partial(_diffusion_state, model_patcher))
+    stored = functools.cache(functools.partial(_stored_tensors, model_patcher))
+
+    def state() -> dict[str, Tensor]:
+        return {key: entry.tensor for key, entry in stored().items()}
+
     prepared = prepare(weights, arch, model_state=state, layers=layers, backend=backend)
     if not prepared.layers:
         raise ValueError(
             f"layers {layers!r} selects no attention module; to run the model unchanged, turn T5 Linearize off."
         )
-    base = _plan_base(prepared, state, diffusion)
+    base = _plan_base(prepared, stored, model_patcher)
     modules = T5Modules(prepared.modules)
     modules.requires_grad_(False)
 

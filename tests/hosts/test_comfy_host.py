@@ -210,11 +210,53 @@ def test_the_patches_follow_a_model_that_comfyui_re_created(comfy, model, checkp
     expected = comfy_tiny.run(linearize(recreated, weights_all), comfy_tiny.inputs())
 
     patched = linearize(model, weights_all)
+    # as ComfyUI 0.33 re-creates it (`clone(model_override=...)`): the new model with its own backups,
+    # so that loading it records nothing in the backups of `model`, which later tests load
     moved = patched.clone()
     moved.model = recreated.model
+    for name in ("backup", "backup_buffers", "object_patches_backup", "pinned"):
+        if hasattr(recreated, name):
+            setattr(moved, name, getattr(recreated, name))
     out = comfy_tiny.run(moved, comfy_tiny.inputs())
     assert not torch.equal(out, comfy_tiny.run(patched, comfy_tiny.inputs()))
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        pytest.param(torch.float32, id="fp32"),
+        pytest.param(torch.bfloat16, id="bf16"),
+        pytest.param(torch.float16, id="fp16"),
+    ],
+)
+def test_base_tensors_land_on_their_fine_tuned_values_in_the_models_dtype(comfy, checkpoint, arch, tmp_path, dtype):
+    """`base.*` become differences from the stored weights (so that LoRAs commute with them): loaded,
+    the model holds the fine-tuned values in its own dtype, as if they had been stored (within one
+    unit in the last place; a few fp16 elements are one unit off)."""
+    import comfy.model_management
+    import comfy.sd
+
+    from t5core.hosts.comfy import linearize
+
+    stored = comfy.sd.load_diffusion_model(str(checkpoint), model_options={"dtype": dtype})
+    original = comfy_tiny.checkpoint_state(checkpoint)
+    generator = torch.Generator().manual_seed(8)
+    keys = ("joint_blocks.1.x_block.attn.qkv.weight", "joint_blocks.0.x_block.attn2.proj.weight")
+    keys += ("joint_blocks.1.x_block.attn.ln_q.weight",)
+    base = {
+        key: original[f"diffusion_model.{key}"]
+        + 0.1 * torch.randn(original[f"diffusion_model.{key}"].shape, generator=generator)
+        for key in keys
+    }
+    path = comfy_tiny.write_t5_weights(tmp_path / "base.safetensors", arch, arch.attention_modules(), base=base)
+    patched = linearize(stored, path)
+    comfy.model_management.load_models_gpu([patched])
+    live = patched.model.diffusion_model
+    for key, value in base.items():
+        assert live.get_parameter(key).dtype == dtype
+        # stored + (fine-tuned - stored) is rounded in fp32, then to the dtype: at most one unit apart
+        torch.testing.assert_close(live.get_parameter(key).cpu(), value.to(dtype), rtol=torch.finfo(dtype).eps, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")])
