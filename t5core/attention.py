@@ -2,9 +2,18 @@
 
 The host computes q, k, v with its inherited projections and q/k norms, calls this module, and
 applies its inherited output projection to the result (DESIGN.md sections 2 and 4).
+
+Every parameter lives in a leaf module (no children): the fast weights and the learned merge bias in
+`fast` (`FastWeights`), the locality convs in `q_conv` / `k_conv`. ComfyUI's partial (low-VRAM) and
+Dynamic VRAM loads move and account for leaf modules only; a parameter held beside child modules
+would be left on the offload device and copied on every call. The weights file keeps its own names
+(`w1`, not `fast.w1`): `file_name` / `param_name` translate, `T5Attention.file_state` and
+`load_file_state` read and write in the file's names.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -14,9 +23,36 @@ from t5core.config import T5Config
 from t5core.contract import T5Layout, Variant, check_call, fast_weight_names
 from t5core.hybrid import MERGES, Merge, hybrid_attention
 
-__all__ = ["T5Attention"]
+__all__ = ["FastWeights", "T5Attention", "file_name", "param_name"]
 
 FAST_WEIGHT_INIT_STD = 0.02
+FAST = "fast"
+"""The attribute of `T5Attention` holding its `FastWeights`."""
+
+
+def file_name(name: str) -> str:
+    """The weights-file name of a `T5Attention` parameter: `fast.w1` -> `w1`; `q_conv.weight` stays."""
+    return name.removeprefix(FAST + ".")
+
+
+def param_name(name: str) -> str:
+    """The `T5Attention` parameter of a weights-file name: `w1` -> `fast.w1`; `q_conv.weight` stays.
+
+    The file's names without a dot (`w1`, `w2`, `w3`, `merge_bias`) are the `FastWeights` ones."""
+    return name if "." in name else f"{FAST}.{name}"
+
+
+class FastWeights(nn.Module):
+    """The parameters of a `T5Attention` outside its convs, in a leaf module so that hosts that load
+    module by module (ComfyUI) move them: the initial fast weights `w1`, `w2` (, `w3`), each (H, D, D),
+    and with the learned merge `merge_bias` (H,). Created empty; `T5Attention.reset_parameters` fills them.
+    """
+
+    def __init__(self, heads: int, head_dim: int, names: tuple[str, ...], *, merge_bias: bool = False) -> None:
+        super().__init__()
+        for name in names:
+            self.register_parameter(name, nn.Parameter(torch.empty(heads, head_dim, head_dim)))
+        self.merge_bias = nn.Parameter(torch.empty(heads)) if merge_bias else None
 
 
 class T5Attention(nn.Module):
@@ -35,9 +71,10 @@ class T5Attention(nn.Module):
         merge (`"cumulant" | "learned"`, *optional*, defaults to `"cumulant"`): with `exact_text`,
             the image log-partition estimate; `"learned"` adds the parameter `merge_bias`.
 
-    Parameter names (the weights-file contract): `w1`, `w2`, `w3` (swiglu only), each (H, D, D);
+    Parameters, by their weights-file names: `w1`, `w2`, `w3` (swiglu only), each (H, D, D);
     `q_conv.weight`, `k_conv.weight` (H*D, 1, 3, 3) and their biases (H*D,); `merge_bias` (H,)
-    with `exact_text` and `merge="learned"`.
+    with `exact_text` and `merge="learned"`. The module holds the first and the last in its leaf
+    `fast` (`fast.w1`, `fast.merge_bias`: see the module docstring); `file_state` uses the file's names.
     """
 
     def __init__(
@@ -61,13 +98,11 @@ class T5Attention(nn.Module):
         self.heads, self.head_dim = heads, head_dim
         self.variant, self.key_norm_eps, self.locality, self.backend = variant, key_norm_eps, locality, backend
         self.exact_text, self.merge = exact_text, merge
-        for name in names:
-            self.register_parameter(name, nn.Parameter(torch.empty(heads, head_dim, head_dim)))
+        self.fast = FastWeights(heads, head_dim, names, merge_bias=exact_text and merge == "learned")
         channels = heads * head_dim
         if locality:
             self.q_conv = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
             self.k_conv = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
-        self.merge_bias = nn.Parameter(torch.empty(heads)) if exact_text and merge == "learned" else None
         self.reset_parameters()
 
     @classmethod
@@ -99,7 +134,24 @@ class T5Attention(nn.Module):
 
     def fast_weights(self) -> tuple[Tensor, ...]:
         """`(w1, w2, w3)` (swiglu) or `(w1, w2)` (mlp)."""
-        return tuple(getattr(self, name) for name in fast_weight_names(self.variant))
+        return tuple(getattr(self.fast, name) for name in fast_weight_names(self.variant))
+
+    @property
+    def merge_bias(self) -> nn.Parameter | None:
+        """The learned merge's per-head bias (H,), or None (no `exact_text`, or the cumulant merge)."""
+        return self.fast.merge_bias
+
+    def file_state(self) -> dict[str, Tensor]:
+        """The module's tensors by weights-file name (`w1`, `q_conv.weight`, ...): `state_dict` renamed."""
+        return {file_name(name): tensor for name, tensor in self.state_dict().items()}
+
+    def load_file_state(self, state: Mapping[str, Tensor]) -> None:
+        """Copy tensors named as in a weights file (`w1`, `q_conv.weight`, ...) into the module.
+
+        Raises:
+            RuntimeError: a name missing or unexpected, or a shape that differs (`load_state_dict`, strict).
+        """
+        self.load_state_dict({param_name(name): tensor for name, tensor in state.items()}, strict=True)
 
     def extra_repr(self) -> str:
         return (

@@ -143,7 +143,7 @@ def save(
     config = replace(config, layers=layers)
     tensors: dict[str, Tensor] = {}
     for name in layers:
-        state = modules[name].state_dict()
+        state = modules[name].file_state()
         got = {key: tuple(t.shape) for key, t in state.items()}
         shapes = expected_shapes(config, arch, name)
         if got != shapes:
@@ -369,6 +369,6 @@ def build_modules(weights: T5Weights, layers: tuple[str, ...], *, backend: str =
             weights.config, weights.arch.heads, weights.arch.head_dim, layer=name, backend=backend
         )
         with torch.no_grad():
-            module.load_state_dict(weights.modules[name], strict=True)
+            module.load_file_state(weights.modules[name])
         modules[name] = module
     return modules

@@ -90,9 +90,17 @@ def predict(patcher, x: torch.Tensor, sigma: float, context: torch.Tensor, poole
         The model's velocity prediction `(x - denoised) / sigma`, fp32 on CPU.
     """
     import comfy.model_management
-    import comfy.patcher_extension
 
     comfy.model_management.load_models_gpu([patcher, *patcher.get_nested_additional_models()])
+    return apply_loaded(patcher, x, sigma, context, pooled)
+
+
+def apply_loaded(patcher, x: torch.Tensor, sigma: float, context: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+    """`predict` on a patcher already loaded (by `predict` or `load_partially`): merge its wrappers
+    into `transformer_options`, `apply_model`, return the velocity prediction, fp32 on CPU."""
+    import comfy.model_management
+    import comfy.patcher_extension
+
     options = comfy.patcher_extension.copy_nested_dicts(patcher.model_options["transformer_options"])
     comfy.patcher_extension.merge_nested_dicts(options.setdefault("wrappers", {}), patcher.wrappers, copy_dict1=False)
     device = comfy.model_management.get_torch_device()
@@ -102,6 +110,32 @@ def predict(patcher, x: torch.Tensor, sigma: float, context: torch.Tensor, poole
             x.to(device), sigmas, c_crossattn=context.to(device), y=pooled.to(device), transformer_options=options
         )
     return ((x.to(device) - denoised.float()) / sigma).cpu()
+
+
+def load_partially(patcher, budget: int) -> list:
+    """Load `patcher` and its additional models as ComfyUI's low-VRAM mode does, each with at most
+    `budget` bytes of weights on the device: `ModelPatcher.patch_model(device, lowvram_model_memory=budget)`,
+    ComfyUI's module-by-module load (layers that do not fit stay on the offload device and are cast
+    per call). `load_models_gpu` takes this path on a GPU short of memory and never on the CPU, so the
+    tests call it directly. Every model ComfyUI had loaded is unloaded first.
+
+    Returns:
+        The patchers loaded; give them to `unload` when done.
+    """
+    import comfy.model_management
+
+    comfy.model_management.unload_all_models()
+    device = comfy.model_management.get_torch_device()
+    patchers = [patcher, *patcher.get_nested_additional_models()]
+    for each in patchers:
+        each.patch_model(device, lowvram_model_memory=budget)
+    return patchers
+
+
+def unload(patchers: list) -> None:
+    """Undo `load_partially`: restore each patcher's model (weights, object patches, low-VRAM casts)."""
+    for each in patchers:
+        each.detach()
 
 
 def inputs(batch: int = 2, latent_hw: tuple[int, int] = (12, 20), text: int = 7, seed: int = 3) -> dict:
@@ -117,6 +151,11 @@ def inputs(batch: int = 2, latent_hw: tuple[int, int] = (12, 20), text: int = 7,
 def run(patcher, batch: dict, sigma: float = 0.6) -> torch.Tensor:
     """`predict` on a batch made by `inputs`."""
     return predict(patcher, batch["x"], sigma, batch["context"], batch["pooled"])
+
+
+def run_loaded(patcher, batch: dict, sigma: float = 0.6) -> torch.Tensor:
+    """`apply_loaded` on a batch made by `inputs`."""
+    return apply_loaded(patcher, batch["x"], sigma, batch["context"], batch["pooled"])
 
 
 def snapshot(patcher) -> dict:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from t5core.atomic import write_atomic, write_bytes_atomic, write_text_atomic
-from t5core.attention import T5Attention
+from t5core.attention import T5Attention, file_name
 from t5core.convert import base_sources, base_tensors
 from t5core.hosts.diffusers import T5Handle
 from t5core.weights import save
@@ -50,13 +50,14 @@ logger = logging.getLogger(__name__)
 
 
 def t5_parameter_names(handle: T5Handle) -> dict[str, str]:
-    """Model parameter name -> `{module}.{param}` (`blocks.3.attn.w1`) for every T5 parameter."""
+    """Model parameter name -> weights-file name `{module}.{param}` (`blocks.3.attn.w1` for the model's
+    `....t5.fast.w1`) for every T5 parameter."""
     qualified = {id(module): name for name, module in handle.model.named_modules()}
     names: dict[str, str] = {}
     for module_name, module in handle.modules.items():
         prefix = qualified[id(module)]
         for param_name, _ in module.named_parameters():
-            names[f"{prefix}.{param_name}"] = f"{module_name}.{param_name}"
+            names[f"{prefix}.{param_name}"] = f"{module_name}.{file_name(param_name)}"
     return names
 
 
@@ -99,7 +100,7 @@ def export_weights(
             for full in t5_names
             if t5_names[full].startswith(module_name + ".")
         }
-        module.load_state_dict(state, strict=True)
+        module.load_file_state(state)
         modules[module_name] = module
     base = base_tensors(tensors, handle.arch, params=split.inherited)
     written = save(path, modules, arch=handle.arch, config=handle.config, base=base, provenance=provenance)

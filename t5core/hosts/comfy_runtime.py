@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from t5core.attention import T5Attention
 
-__all__ = ["KEY", "CallContext", "JointForward", "T5Modules"]
+__all__ = ["COPY_LOG", "KEY", "CallContext", "JointForward", "T5Modules"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,22 +53,37 @@ class T5Modules(nn.Module):
         return tuple(f"blocks.{index}.{kind}" for index, block in self.blocks.items() for kind in block)
 
 
+COPY_LOG = "copying them to"
+"""The phrase of the log lines that report T5 parameters copied per call (checked by benchmarks)."""
+
+
 @functools.cache
-def _log_copy(away: str, device: str) -> None:
-    """Logged once per pair of devices (`functools.cache`)."""
+def _log_copy(layer: str, names: str, away: str, device: str) -> None:
+    """Logged once per layer, parameters and pair of devices (`functools.cache`)."""
     logger.info(
-        "T5 Linearize: ComfyUI left T5 weights on %s (low-VRAM load); copying them to %s per call", away, device
+        "T5 Linearize: ComfyUI left %s of %s on %s (low-VRAM load); %s %s per call",
+        names,
+        layer,
+        away,
+        COPY_LOG,
+        device,
     )
 
 
-def _run_t5(module: T5Attention, q: Tensor, k: Tensor, v: Tensor, *, grid: tuple[int, int], text_tokens: int) -> Tensor:
-    """Call a T5 module on q's device. ComfyUI's partial (low-VRAM, `--novram`) load can leave some of
-    its parameters on the offload device; those are copied for this call, as ComfyUI casts its own
-    layers, and that is logged once per pair of devices (a full load never takes this path)."""
+def _run_t5(
+    module: T5Attention, q: Tensor, k: Tensor, v: Tensor, *, layer: str, grid: tuple[int, int], text_tokens: int
+) -> Tensor:
+    """Call a T5 module on q's device. ComfyUI's partial (low-VRAM, `--novram`) load moves the leaf
+    modules that fit its budget and leaves the rest on the offload device; those parameters are copied
+    for this call, as ComfyUI casts its own layers. That is logged at INFO once per layer (with the
+    parameter names) and at DEBUG per call; a load that moved every T5 module never takes this path."""
     params = dict(module.named_parameters())
-    if all(p.device == q.device for p in params.values()):
+    behind = sorted(name for name, p in params.items() if p.device != q.device)
+    if not behind:
         return module(q, k, v, grid=grid, text_tokens=text_tokens, text_first=True)
-    _log_copy(", ".join(sorted({str(p.device) for p in params.values() if p.device != q.device})), str(q.device))
+    away = ", ".join(sorted({str(params[name].device) for name in behind}))
+    _log_copy(layer, ", ".join(behind), away, str(q.device))
+    logger.debug("T5 Linearize: %s: copied %d parameters to %s for this call", layer, len(behind), q.device)
     moved = {name: p.to(q.device, non_blocking=True) for name, p in params.items()}
     kwargs = {"grid": grid, "text_tokens": text_tokens, "text_first": True}
     return torch.func.functional_call(module, moved, (q, k, v), kwargs)
@@ -151,6 +166,7 @@ class JointForward:
         module: T5Attention | None,
         qkv: tuple[Tensor, ...],
         *,
+        layer: str,
         heads: int,
         text_tokens: int,
         options: dict,
@@ -161,7 +177,8 @@ class JointForward:
             return self._mmdit.optimized_attention(q, k, v, heads=heads, transformer_options=options)
         b, n = q.shape[:2]
         shape = (b, n, heads, q.shape[-1] // heads)
-        out = _run_t5(module, q.reshape(shape), k.reshape(shape), v.reshape(shape), grid=grid, text_tokens=text_tokens)
+        q, k, v = q.reshape(shape), k.reshape(shape), v.reshape(shape)
+        out = _run_t5(module, q, k, v, layer=layer, grid=grid, text_tokens=text_tokens)
         return out.reshape(b, n, -1)
 
     def _mix(
@@ -176,11 +193,27 @@ class JointForward:
         text_tokens = context_qkv[0].shape[1]
         joint = tuple(torch.cat((text, image), dim=1) for text, image in zip(context_qkv, x_qkv, strict=True))
         heads = x_block.attn.num_heads
-        attn = self._attend(self.attn, joint, heads=heads, text_tokens=text_tokens, options=options, grid=grid)
+        attn = self._attend(
+            self.attn,
+            joint,
+            layer=f"blocks.{self.index}.attn",
+            heads=heads,
+            text_tokens=text_tokens,
+            options=options,
+            grid=grid,
+        )
         context_attn, x_attn = attn[:, :text_tokens], attn[:, text_tokens:]
         context = None if context_block.pre_only else context_block.post_attention(context_attn, *context_rest)
         if x_block.x_block_self_attn:
             heads2 = x_block.attn2.num_heads
-            attn2 = self._attend(self.attn2, x_qkv2, heads=heads2, text_tokens=0, options=options, grid=grid)
+            attn2 = self._attend(
+                self.attn2,
+                x_qkv2,
+                layer=f"blocks.{self.index}.attn2",
+                heads=heads2,
+                text_tokens=0,
+                options=options,
+                grid=grid,
+            )
             return context, x_block.post_attention_x(x_attn, attn2, *x_rest)
         return context, x_block.post_attention(x_attn, *x_rest)

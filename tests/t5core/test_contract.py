@@ -87,9 +87,7 @@ def test_variants_and_their_fast_weights_are_defined_once():
     assert fast_weight_names("swiglu") == ("w1", "w2", "w3") and fast_weight_names("mlp") == ("w1", "w2")
     for variant in VARIANTS:
         module = T5Attention(H, D, variant)
-        assert tuple(name for name, _ in module.named_parameters() if name.startswith("w")) == fast_weight_names(
-            variant
-        )
+        assert tuple(name for name, _ in module.fast.named_parameters()) == fast_weight_names(variant)
         assert len(module.fast_weights()) == FAST_WEIGHTS[variant]
     for make in (fast_weight_names, lambda variant: T5Attention(H, D, variant), T5Config):
         with pytest.raises(ValueError, match=r"variant must be one of \('swiglu', 'mlp'\); got 'gelu'"):

@@ -291,3 +291,62 @@ def test_save_refuses_a_module_that_does_not_fit(tmp_path):
         t5w.save(tmp_path / "x.safetensors", modules, arch=ARCH, config=T5Config())
     with pytest.raises(ValueError, match=".safetensors"):
         t5w.save(tmp_path / "x.pt", make_modules(), arch=ARCH, config=T5Config())
+
+
+LEGACY = Path(__file__).parent / "data"
+LEGACY_CONFIGS = {
+    "legacy_v1_swiglu": T5Config("swiglu", 1.0, True, ()),
+    "legacy_v1_mlp_nolocality": T5Config("mlp", None, False, ()),
+    "legacy_v2_hybrid_learned": T5Config("swiglu", 1.0, True, (), joint_mode="hybrid", merge="learned"),
+}
+
+
+def _legacy_modules(config: T5Config) -> dict[str, T5Attention]:
+    """The seeded modules of the legacy files (tests/t5core/data/README.md)."""
+    torch.manual_seed(0)
+    modules = {layer: T5Attention.from_config(config, 2, 8, layer=layer) for layer in LAYERS}
+    with torch.no_grad():
+        for module in modules.values():
+            if module.merge_bias is not None:
+                module.merge_bias.copy_(torch.tensor([-0.5, 0.75]))
+    return modules
+
+
+def _legacy_base() -> dict[str, torch.Tensor]:
+    return {"joint_blocks.2.x_block.attn.proj.weight": torch.arange(16 * 16, dtype=torch.float32).reshape(16, 16) / 256}
+
+
+def _raw(path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return dict(f.metadata()), {key: f.get_tensor(key) for key in f.keys()}
+
+
+@pytest.mark.parametrize("name", list(LEGACY_CONFIGS))
+def test_files_written_before_the_leaf_module_layout_load_and_save_bit_for_bit(tmp_path, name):
+    """Files of t5core 648bff5 (fast weights directly on `T5Attention`): modules built from them hold
+    the file's tensors to the bit; the same seeded modules today have the same initial values (the
+    init is unchanged); saving them again writes the same tensors and metadata (the format is unchanged)."""
+    legacy = LEGACY / f"{name}.safetensors"
+    metadata, tensors = _raw(legacy)
+    loaded = t5w.load(legacy)
+    rebuilt = t5w.build_modules(loaded, LAYERS)
+    fresh = _legacy_modules(LEGACY_CONFIGS[name])
+    for layer in LAYERS:
+        in_file = {key.removeprefix(f"{layer}."): t for key, t in tensors.items() if key.startswith(f"{layer}.")}
+        for module in (rebuilt[layer], fresh[layer]):
+            state = module.file_state()
+            assert state.keys() == in_file.keys()
+            assert all(torch.equal(state[key], in_file[key]) for key in state), layer
+    path = t5w.save(
+        tmp_path / legacy.name,
+        fresh,
+        arch=ARCH,
+        config=LEGACY_CONFIGS[name],
+        base=_legacy_base(),
+        provenance={"made_by": "t5core 648bff5"},
+    )
+    again_metadata, again = _raw(path)
+    assert again_metadata == metadata
+    assert again.keys() == tensors.keys() and all(torch.equal(again[key], tensors[key]) for key in tensors)
