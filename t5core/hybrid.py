@@ -45,8 +45,8 @@ JOINT_MODES: tuple[str, ...] = ("ttt", "hybrid")
 Merge = Literal["cumulant", "learned"]
 MERGES: tuple[str, ...] = ("cumulant", "learned")
 
-# image queries per slab of the text part and the estimate: bounds the (B, H, rows, T) scores and
-# (B, H, rows, D) temporaries at 2K (16384 image tokens)
+# image queries per slab of the log-partition estimate: bounds its (B, H, rows, D) temporaries at 2K
+# (16384 image tokens)
 IMAGE_QUERY_ROWS = 4096
 
 ImageAttention = Callable[[Tensor, Tensor, Tensor, T5Layout], Tensor]
@@ -78,10 +78,29 @@ def image_log_partition(q_BHND: Tensor, k_BHND: Tensor, *, rows: int = IMAGE_QUE
     return math.log(m) + torch.cat(slabs, dim=-1)
 
 
-def _text_part(q_BHND: Tensor, k_text: Tensor, v_text: Tensor) -> tuple[Tensor, Tensor]:
-    """Exact softmax of queries over the text keys: `(o_t (B, H, N, D), log Z_t (B, H, N))`."""
-    scores_BHNT = (q_BHND @ k_text.transpose(-1, -2)) * q_BHND.shape[-1] ** -0.5
-    return torch.softmax(scores_BHNT, dim=-1) @ v_text, torch.logsumexp(scores_BHNT, dim=-1)
+def _image_rows(q_BHND: Tensor, k_text: Tensor, v_text: Tensor, log_z_image: Tensor, o_image: Tensor) -> Tensor:
+    """Image queries' output `alpha o_t + (1 - alpha) o_i` from one softmax over the text keys plus
+    one extra key standing for the image part.
+
+    The extra key's score is log Z_i (a query channel holding log Z_i / scale against a key channel
+    holding 1) and its value is an indicator channel, so one fused attention call returns
+    `alpha o_t` in the value channels and `1 - alpha` in the indicator: no (queries, text) score
+    matrix is kept, and the partition sums never leave log space.
+    """
+    *batch, _, dim = q_BHND.shape
+    scale = dim**-0.5
+    # CUDA's fused kernels want a head dim that is a multiple of 8: pad the extra channel up to it
+    width = dim + 1 if q_BHND.device.type == "cpu" else -(-(dim + 1) // 8) * 8
+    extra = width - dim
+    q_aug = torch.cat((q_BHND, F.pad((log_z_image / scale).unsqueeze(-1), (0, extra - 1))), dim=-1)
+    k_aug = q_BHND.new_zeros(*batch, k_text.shape[-2] + 1, width)
+    k_aug[..., :-1, :dim] = k_text
+    k_aug[..., -1, dim] = 1.0
+    v_aug = torch.zeros_like(k_aug)
+    v_aug[..., :-1, :dim] = v_text
+    v_aug[..., -1, dim] = 1.0
+    out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, scale=scale)
+    return out[..., :dim] + out[..., dim : dim + 1] * o_image
 
 
 def hybrid_attention(
@@ -118,12 +137,6 @@ def hybrid_attention(
         log_z_image = image_log_partition(q_i, k_i)
         if merge_bias is not None:
             log_z_image = log_z_image + merge_bias.float().view(1, -1, 1)
-        slabs = []
-        for start in range(0, layout.n_image, IMAGE_QUERY_ROWS):
-            rows = slice(start, start + IMAGE_QUERY_ROWS)
-            o_text, log_z_text = _text_part(q_i[:, :, rows], k_t, v_t)
-            alpha = torch.sigmoid(log_z_text - log_z_image[:, :, rows]).unsqueeze(-1)
-            slabs.append(alpha * o_text + (1 - alpha) * o_ttt[:, rows].float().transpose(1, 2))
-        image_rows = torch.cat(slabs, dim=2)
+        image_rows = _image_rows(q_i, k_t, v_t, log_z_image, o_ttt.float().transpose(1, 2))
         out_BHND = torch.cat((text_rows, image_rows) if first else (image_rows, text_rows), dim=2)
     return out_BHND.transpose(1, 2).to(q.dtype)
