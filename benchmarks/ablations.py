@@ -39,7 +39,7 @@ from trainer.distributed import derived_seed
 from trainer.optim import build_scheduler
 from trainer.toy.baselines import PlainLinearAttention, reinit_inherited
 from trainer.toy.data import IMAGE_SIZE, make_batch
-from trainer.toy.artifacts import background_level, token_period_energy
+from trainer.toy.artifacts import background_level, open_background_level, token_period_energy
 from trainer.toy.eval import batch_loss, eval_set, sample_hits, teacher_distance, toy_eval, validation_loss
 from trainer.toy.stats import paired_difference
 from trainer.toy.model import load_toy_base
@@ -92,6 +92,13 @@ ROWS: tuple[Row, ...] = (
         layers="all",
         joint_mode="hybrid",
         merge="learned",
+    ),
+    Row(
+        "all-hybrid-distill",
+        "T5 `all`, joint modules hybrid, flow matching + distillation from the teacher",
+        layers="all",
+        joint_mode="hybrid",
+        distill=True,
     ),
     Row("new-x10", "T5 full, new parameters at 10x instead of 20x", new_lr_mult=10.0),
     Row("constant-lr", "T5 full, constant learning rate after warm-up instead of cosine", schedule="constant"),
@@ -218,6 +225,7 @@ def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_images: 
             "toyeval": score.as_dict(),
             "hits": overall_hits(images, plan.count),
             "background": background_level(images, teacher_images),
+            "open_background": open_background_level(images, teacher_images),
             "token_period_energy": token_period_energy(images, teacher_images),
             "val_loss": validation_loss(model),
             "val_loss_4x": validation_loss(model, batches=2, batch_size=16, size=WIDE_SIZE),
@@ -264,8 +272,8 @@ def summarise(
         f"{budget.optim.schedule}, seeds {seeds}",
         "",
         "| row | what | modules | ToyEval overall | vs teacher, paired [95% CI] | shape | size | val loss "
-        "| val loss 4x tokens | ToyEval 4x tokens | dist. to teacher | background | token-period energy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| val loss 4x tokens | ToyEval 4x tokens | dist. to teacher | background | open background | token-period energy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         runs = [r for r in results if r["row"] == row.name]
@@ -274,7 +282,7 @@ def summarise(
         cells = [_mean_sd([r["toyeval"][k] for r in runs]) for k in ("overall", "shape", "size")]
         wide = [r["toyeval_4x"]["overall"] for r in runs if "toyeval_4x" in r]
         artifacts = [
-            _mean_sd([r[key] for r in runs if key in r], 4) for key in ("background", "token_period_energy")
+            _mean_sd([r[key] for r in runs if key in r], 4) for key in ("background", "open_background", "token_period_energy")
         ]
         lines.append(
             f"| {row.name} | {row.description} | {runs[0]['converted']} | {cells[0]} | {_paired(runs, teacher_hits)} | "

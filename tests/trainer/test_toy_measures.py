@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from trainer.toy.artifacts import background_level, token_period_energy
+from trainer.toy.artifacts import background_level, open_background_level, token_period_energy
 from trainer.toy.stats import paired_difference
 
 
@@ -55,6 +55,20 @@ def test_background_level_reads_only_the_teachers_black_pixels():
     images[:, :, :4] = 0.5  # object pixels do not count
     assert background_level(images, teacher) == pytest.approx(0.02)
     assert background_level(teacher, teacher) == 0.0
+
+
+def test_open_background_ignores_an_object_drawn_larger_but_reads_a_lift():
+    teacher = torch.zeros(1, 3, 24, 24)
+    teacher[:, :, 8:12, 8:12] = 0.8
+    larger = teacher.clone()
+    larger[:, :, 12:14, 8:12] = 0.8  # the object two rows taller: background pixels of the teacher
+    assert background_level(larger, teacher) > 0.005
+    assert open_background_level(larger, teacher) == 0.0
+    lifted = larger.clone()
+    lifted[:, :, 20:, :] += 0.03  # a band far from both objects
+    # open pixels: 24 x 24 minus the 9 x 9 block around both objects (rows 6..15, margin 2)
+    open_pixels = 24 * 24 - (16 - 6) * (14 - 6)
+    assert open_background_level(lifted, teacher) == pytest.approx(0.03 * 4 * 24 / open_pixels, rel=1e-5)
 
 
 def test_a_per_token_pattern_is_all_token_period_energy_and_noise_is_not():

@@ -5,6 +5,9 @@ Both compare samples with the softmax teacher's samples from the same captions a
 * `background_level`: the mean pixel level where the teacher's image is black (its brightest channel
   below `BLACK`). The toy's background is black, so a model that lifts it (banding, a faint grid)
   scores above the teacher's own level there.
+* `open_background_level`: the same, over the background pixels farther than `margin` pixels from
+  either image's objects, so that an object drawn a little larger or elsewhere than the teacher's
+  does not count: what is left is a lift of the open background (banding, a faint grid).
 * `token_period_energy`: the share of the energy of (model - teacher) that lies on the token
   lattice of the spectrum: the frequencies of a pattern that repeats every `token_px` pixels in both
   directions (4 px for the toy: 2 x 2 latent patches of 2 x 2 pixels). White residual puts
@@ -14,12 +17,15 @@ Both compare samples with the softmax teacher's samples from the same captions a
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["BLACK", "background_level", "token_period_energy"]
+__all__ = ["BLACK", "OBJECT", "background_level", "open_background_level", "token_period_energy"]
 
 BLACK = 0.05
 """A teacher pixel is background when its brightest channel is below this (objects are > 0.35)."""
+OBJECT = 0.35
+"""A pixel belongs to an object when its brightest channel exceeds this (ToyEval's foreground)."""
 
 
 def _check(images: Tensor, teacher_images: Tensor) -> None:
@@ -37,6 +43,17 @@ def background_level(images: Tensor, teacher_images: Tensor) -> float:
     _check(images, teacher_images)
     black = teacher_images.float().amax(dim=1, keepdim=True) < BLACK
     mask = black.expand_as(images)
+    return images.float()[mask].mean().item() if mask.any() else 0.0
+
+
+def open_background_level(images: Tensor, teacher_images: Tensor, *, margin: int = 2) -> float:
+    """Mean level of `images` over the teacher's black pixels more than `margin` pixels (Chebyshev
+    distance) from an object pixel of either image; 0.0 where no such pixel exists."""
+    _check(images, teacher_images)
+    near = (torch.maximum(images.float(), teacher_images.float()).amax(dim=1, keepdim=True) > OBJECT).float()
+    near = F.max_pool2d(near, 2 * margin + 1, stride=1, padding=margin) > 0
+    open_ = (teacher_images.float().amax(dim=1, keepdim=True) < BLACK) & ~near
+    mask = open_.expand_as(images)
     return images.float()[mask].mean().item() if mask.any() else 0.0
 
 
