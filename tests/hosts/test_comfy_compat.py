@@ -1,14 +1,17 @@
 """The ComfyUI host beside what users combine it with: LoRA weight patches, attention overrides
-(Sage / Flash nodes), ModelSamplingSD3, skip-layer guidance, and CFG batched or split by the sampler.
+(Sage / Flash nodes, `ModelAttentionBackend`), ModelSamplingSD3, skip-layer guidance, `TorchCompileModel`
+and CFG batched or split by the sampler. LoRA files through a real server: tests/nodes/test_lora_order.py.
 
 Runs when ComfyUI is found (testing/comfy_env.py), skips with the reason otherwise.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from testing import comfy_tiny
+from testing.tolerances import relative_rms
 
 
 def test_lora_weight_patches_compose_with_t5(model, weights_all, checkpoint):
@@ -108,6 +111,8 @@ def test_sampling_with_cfg_batched_or_split_gives_the_same_latents(model, weight
 
 
 def test_skip_layer_guidance_composes_with_t5(model, weights_all):
+    """SLG replaces whole blocks for its extra pass (ComfyUI's `dit` / `double_block` patch), T5 or not:
+    with every module converted, skipping block 0 still changes the image (measured ~0.1 relative)."""
     from comfy_extras.nodes_sd3 import SkipLayerGuidanceSD3
 
     from t5core.hosts.comfy import linearize
@@ -118,4 +123,79 @@ def test_skip_layer_guidance_composes_with_t5(model, weights_all):
     ]
     plain, with_slg = _sample(converted, negative_tokens=77), _sample(guided, negative_tokens=77)
     assert torch.isfinite(with_slg).all()
-    assert not torch.equal(plain, with_slg)
+    assert relative_rms(plain, with_slg) > 1e-2
+
+
+def test_model_attention_backend_before_t5_keeps_t5_on_the_converted_modules(model, weights_all, monkeypatch):
+    """`ModelAttentionBackend` (ComfyUI 0.33) before T5 Linearize: the chosen attention runs the modules
+    left softmax, T5 the converted ones."""
+    import comfy.ldm.modules.attention as attention
+    from comfy_extras import nodes_model_advanced
+
+    from t5core.hosts.comfy import linearize
+
+    if not hasattr(nodes_model_advanced, "ModelAttentionBackend"):
+        pytest.skip("ModelAttentionBackend is new in ComfyUI 0.33; this tree does not have the node")
+    chosen = attention.get_attention_function("pytorch")
+    tokens = []
+
+    def spy(q, *args, **kwargs):
+        tokens.append(q.shape[1])
+        return chosen(q, *args, **kwargs)
+
+    monkeypatch.setitem(attention.REGISTERED_ATTENTION_FUNCTIONS, "pytorch", spy)
+    backend = nodes_model_advanced.ModelAttentionBackend().patch(model, "pytorch attention")[0]
+    inputs = comfy_tiny.inputs(batch=1, latent_hw=(12, 20), text=7)
+    t5_alone = comfy_tiny.run(linearize(model, weights_all, layers="joint:1"), inputs)
+    tokens.clear()
+    out = comfy_tiny.run(linearize(backend, weights_all, layers="joint:1"), inputs)
+    image, joint = 6 * 10, 6 * 10 + 7
+    assert sorted(tokens) == [image, joint], "the chosen backend runs block 0 (joint and attn2), T5 block 1"
+    # both are PyTorch SDPA on this CPU: the same softmax attention
+    assert relative_rms(t5_alone, out) < 1e-6
+    assert relative_rms(comfy_tiny.run(backend, inputs), out) > 1e-2
+
+
+def _compiled_steps(patcher, seen: list[int]):
+    """Spy on each model call: how many graphs torch.compile had made once it returned."""
+    import comfy.patcher_extension
+    from torch._dynamo.utils import counters
+
+    def spy(executor, *args, **kwargs):
+        out = executor(*args, **kwargs)
+        seen.append(counters["stats"]["unique_graphs"])
+        return out
+
+    patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, "test_compile_spy", spy)
+    return patcher
+
+
+@pytest.mark.parametrize(
+    "compile_first", [pytest.param(False, id="compile-after-t5"), pytest.param(True, id="compile-before-t5")]
+)
+def test_torch_compile_model_runs_t5_like_eager_without_recompiling_per_step(model, weights_all, compile_first):
+    """`TorchCompileModel` (inductor, on the CPU) after or before T5 Linearize: the eager latents, and
+    every graph made on the first model call (no recompilation in the later steps). Slow: the first
+    inductor compile of the session takes minutes on a 2-core CPU."""
+    from comfy_extras.nodes_model_advanced import ModelSamplingSD3
+    from comfy_extras.nodes_torch_compile import TorchCompileModel
+    from torch._dynamo.utils import counters
+
+    from t5core.hosts.comfy import linearize
+
+    def compiled(patcher):
+        return TorchCompileModel.execute(patcher, backend="inductor").result[0]
+
+    shifted = ModelSamplingSD3().patch(model, 3.0)[0]
+    eager = _sample(linearize(shifted, weights_all), steps=3)
+    patcher = linearize(compiled(shifted), weights_all) if compile_first else compiled(linearize(shifted, weights_all))
+    torch._dynamo.reset()
+    before, seen = counters["stats"]["unique_graphs"], []
+    try:
+        out = _sample(_compiled_steps(patcher, seen), steps=3)
+    finally:
+        torch._dynamo.reset()
+    assert len(seen) == 3 and seen[0] > before, f"graphs before sampling: {before}, after each step: {seen}"
+    assert seen[-1] == seen[0], f"graphs after each step: {seen}"
+    # inductor fuses and reorders the fp32 math: measured ~1e-6
+    assert relative_rms(eager, out) < 1e-5
