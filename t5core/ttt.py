@@ -34,10 +34,12 @@ from t5core.contract import T5Layout, T5Params, Variant, check_call, check_varia
 __all__ = [
     "apply_locality",
     "inner_apply",
+    "inner_grads",
     "inner_loss",
     "inner_step",
     "key_instance_norm",
     "reference_attention",
+    "silu_and_grad_",
     "split_image",
     "t5_attention_ref",
 ]
@@ -104,9 +106,11 @@ def apply_locality(
     return _join_image(image, text, text_first)
 
 
-def _silu_grad(z: Tensor) -> Tensor:
-    s = torch.sigmoid(z)
-    return s * (1 + z * (1 - s))
+def silu_and_grad_(z: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """silu(z), written over `z`, and silu'(z), from `s` = sigmoid(z): s (1 + z (1 - s)), computed as
+    silu + s (1 - silu). `s` is left as it is: autograd keeps it for the sigmoid's backward."""
+    a = z.mul_(s)
+    return a, (1 - a).mul_(s).add_(a)
 
 
 def _fast_forward(x_BHND: Tensor, weights: tuple[Tensor, ...], variant: str) -> Tensor:
@@ -135,6 +139,42 @@ def inner_loss(k_BHND: Tensor, v_BHND: Tensor, weights: tuple[Tensor, ...], vari
     return (scale / (2 * n)) * ((y - v_BHND) ** 2).sum()
 
 
+def inner_grads(
+    k_BHND: Tensor, v_BHND: Tensor, weights: tuple[Tensor, ...], variant: Variant, *, c: float
+) -> tuple[Tensor, ...]:
+    """dL/dW of the inner loss in closed form (module docstring, step 3), summed over the given tokens.
+
+    `inner_step` calls it on all tokens; `t5core.ttt_chunked` calls it per chunk of tokens and adds
+    the shares, so both run these same operations. The error scale c multiplies the `(D, D)`
+    factors, not the `(N, D)` ones (fewer products per token). Intermediates that autograd does not keep
+    are overwritten in place (chunk memory); the inputs never are.
+
+    Args:
+        k_BHND, v_BHND (`Tensor`): fp32 normalised keys and values `(B, H, n, D)`: all N tokens, or a chunk.
+        weights (`tuple[Tensor, ...]`): fast weights, each `(H, D, D)`, fp32.
+        variant (`"swiglu" | "mlp"`): the inner model.
+        c (`float`): scale / N, with N the tokens of the whole call (not of a chunk).
+
+    Returns:
+        The gradients, each `(B, H, D, D)`.
+    """
+    k_t = k_BHND.transpose(-1, -2)
+    z1 = k_BHND @ weights[0]
+    a1, ds = silu_and_grad_(z1, torch.sigmoid(z1))
+    if variant == "swiglu":
+        _, w2, w3 = weights
+        z2 = k_BHND @ w2
+        g3 = ((a1 * z2).transpose(-1, -2) @ v_BHND) * -c
+        # da2 = e W3^T with e = -c v
+        da2 = v_BHND @ (w3.transpose(-1, -2) * -c)
+        g2 = k_t @ (da2 * a1)
+        return k_t @ (da2 * z2).mul_(ds), g2, g3
+    w2 = weights[1]
+    # e = c (f(k) - v), the factor c moved onto W2^T and onto g2
+    error = (a1 @ w2).sub_(v_BHND)
+    return k_t @ (error @ (w2.transpose(-1, -2) * c)).mul_(ds), (a1.transpose(-1, -2) @ error) * c
+
+
 def inner_step(k_BHND: Tensor, v_BHND: Tensor, weights: tuple[Tensor, ...], variant: Variant) -> tuple[Tensor, ...]:
     """One closed-form gradient step of the inner model over all tokens (lr = 1).
 
@@ -148,25 +188,8 @@ def inner_step(k_BHND: Tensor, v_BHND: Tensor, weights: tuple[Tensor, ...], vari
     """
     check_variant(variant)
     n, dim = k_BHND.shape[-2:]
-    scale = dim**-0.5
-    k_t = k_BHND.transpose(-1, -2)
-    if variant == "swiglu":
-        w1, w2, w3 = weights
-        e = v_BHND * (-scale / n)
-        z1, z2 = k_BHND @ w1, k_BHND @ w2
-        a1 = F.silu(z1)
-        da2 = e @ w3.transpose(-1, -2)
-        g1 = k_t @ (da2 * z2 * _silu_grad(z1))
-        g2 = k_t @ (da2 * a1)
-        g3 = (a1 * z2).transpose(-1, -2) @ e
-        return w1 - g1, w2 - g2, w3 - g3
-    w1, w2 = weights
-    z1 = k_BHND @ w1
-    a1 = F.silu(z1)
-    e = (a1 @ w2 - v_BHND) * (scale / n)
-    g1 = k_t @ ((e @ w2.transpose(-1, -2)) * _silu_grad(z1))
-    g2 = a1.transpose(-1, -2) @ e
-    return w1 - g1, w2 - g2
+    grads = inner_grads(k_BHND, v_BHND, weights, variant, c=dim**-0.5 / n)
+    return tuple(w - g for w, g in zip(weights, grads, strict=True))
 
 
 def inner_apply(q_BHND: Tensor, weights: tuple[Tensor, ...], variant: Variant) -> Tensor:

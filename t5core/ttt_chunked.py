@@ -11,8 +11,8 @@ chunk by chunk (`t5core.token_chunks`: bands of image rows with one halo row abo
 Forward, with scale = D^-0.5 and c = scale / N:
 
 1. key statistics: each chunk's mean and biased variance, merged exactly (Chan's pairwise update);
-2. inner step: each chunk adds its share of dL/dW (the closed form of `t5core.ttt.inner_step`, with
-   the global N in e) to fp32 (B, H, D, D) sums; W' = W - sums;
+2. inner step: each chunk adds its share of dL/dW (`t5core.ttt.inner_grads`, with c = scale / N of
+   the whole call) to fp32 (B, H, D, D) sums; W' = W - sums;
 3. apply: each chunk's queries (+ conv) give o = f_W'(q), written into the output.
 
 Backward (`_ChunkedT5Function` saves the inputs, parameters, key statistics and W', and recomputes
@@ -20,19 +20,12 @@ per chunk). With U = dLoss/dW':
 
 1. apply: each chunk adds its share of U and scatters dLoss/dq through the conv's transpose (which
    reaches the halo rows) into an fp32 (B, N, H, D) buffer;
-2. inner step: W' = W - G(k, v, W), so dLoss/dW = U + d/dW phi and the key and value gradients are
-   d/dk phi, d/dv phi of phi = -<U, G>, per token (the inner-step symbols as in `t5core.ttt`;
-   silu', silu'' the derivatives of silu):
-
-   swiglu  p1 = da2 z2 silu'(z1), p2 = da2 a1,  dp1 = -k U1, dp2 = -k U2, dA = -e U3^T
-           d(da2) = dp1 z2 silu'(z1) + dp2 a1,  dz2 = dp1 da2 silu'(z1) + dA a1
-           dz1 = dp1 da2 z2 silu''(z1) + (dp2 da2 + dA z2) silu'(z1)
-           dk = dz1 W1^T + dz2 W2^T - p1 U1^T - p2 U2^T,  de = d(da2) W3 - (a1 z2) U3,  dv = -c de
-           dW1 += k^T dz1, dW2 += k^T dz2, dW3 += d(da2)^T e
-   mlp     e2 = e W2^T, p1 = e2 silu'(z1),  dp1 = -k U1,  de = (dp1 silu'(z1)) W2 - a1 U2,  dy = c de
-           dz1 = dp1 e2 silu''(z1) + (dy W2^T - e U2^T) silu'(z1),  dk = dz1 W1^T - p1 U1^T,  dv = -dy
-           dW1 += k^T dz1, dW2 += (dp1 silu'(z1))^T e + a1^T dy
-
+2. inner step: W' = W - G(k, v, W) with G = dL/dW, so dLoss/dW = U - d<U, G>/dW and the key and value
+   gradients are -d<U, G>/dk and -d<U, G>/dv, per token. The derivation is written once, in
+   t5kernels/README.md (Backward): <U, G> is a Hessian-vector product of the inner loss, reversed
+   per token without autograd. `_inner_step_backward` runs that reverse pass for phi = -<U, G>
+   (so its results need no sign flip) with the error scale inside e, as `t5core.ttt.inner_grads`
+   has it: swiglu da2 = e W3^T, dp1 = -k U1, dp2 = -k U2, dA = -e U3^T; mlp e2 = e W2^T, dp1 = -k U1.
    The gradient of the normalised keys is scattered through the k conv's transpose into a second
    fp32 buffer;
 3. key norm: two sums over tokens, then dk = rstd (dkn - mean_N dkn - kn mean_N(dkn kn)) in place.
@@ -45,15 +38,17 @@ Chunk size (`DEFAULT_CHUNK_TOKENS` = 2048), measured at N = 16384 (one sample, 2
 measures them, paths timed in turn) on a 2-core machine shared with other jobs:
 
     chunk tokens              256    512   1024   2048   4096    reference (one chunk of N)
-    peak MiB                   12     23     44     86    170    1056
+    peak MiB                   12     23     44     86    170    673
     ms, load average 1-2        -      -    323    419    506    1118
     ms, load average 3-4    12047   3412   3510   1210   1813    2218
 
-Peak memory is linear in the chunk (about 42 KiB per chunk token here). On a quiet machine time is
-nearly flat from 1024 up. Every chunk runs some 50 ops, each a multi-threaded region; when other
-processes hold the cores each region waits for its threads, so small chunks lose most under load.
-2048 is the compromise: within a third of the best time when quiet, the best under load, fewer
-kernel launches on a GPU, and under half of issue 12's memory budget (two inputs, 192 MiB here).
+The reference's peak was 1056 MiB (its times are from then) before it shared `t5core.ttt.inner_grads`
+and its in-place intermediates with this path. Peak memory is linear in the chunk (about 42 KiB per
+chunk token here). On a quiet machine time is nearly flat from 1024 up. Every chunk runs some 50
+ops, each a multi-threaded region; when other processes hold the cores each region waits for its
+threads, so small chunks lose most under load. 2048 is the compromise: within a third of the best
+time when quiet, the best under load, fewer kernel launches on a GPU, and under half of issue 12's
+memory budget (two inputs, 192 MiB here).
 """
 
 from __future__ import annotations
@@ -64,23 +59,18 @@ from torch.autograd.function import once_differentiable
 
 from t5core.contract import Conv, T5Layout, T5Params, check_call
 from t5core.token_chunks import Chunk, Prepare, TokenChunks
-from t5core.ttt import inner_apply
+from t5core.ttt import inner_apply, inner_grads, silu_and_grad_
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "chunked_attention", "t5_attention_chunked"]
 
 DEFAULT_CHUNK_TOKENS = 2048
 
 
-def _silu_and_grad_(z: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
-    """silu(z) and silu'(z), written over z and over s = sigmoid(z) (chunk memory): silu' = s (1 + z (1 - s))
-    as in `t5core.ttt`, computed as silu + s (1 - silu)."""
-    a = z.mul_(s)
-    return a, s.mul_(1 - a).add_(a)
-
-
-def _silu_grad2(z: Tensor, s: Tensor) -> Tensor:
-    """silu''(z) = sigmoid (1 - sigmoid) (2 + z (1 - 2 sigmoid)), from s = sigmoid(z)."""
-    return s * (1 - s) * (2 + z * (1 - 2 * s))
+def _silu_grads_(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """silu(z) (written over z), silu'(z) and silu''(z) = sigmoid (1 - sigmoid) (2 + z (1 - 2 sigmoid))."""
+    s = torch.sigmoid(z)
+    dds = s * (1 - s) * (2 + z * (1 - 2 * s))
+    return *silu_and_grad_(z, s), dds
 
 
 def _heads_first(x: Tensor) -> Tensor:
@@ -125,38 +115,20 @@ def _key_prepare(stats: tuple[Tensor, Tensor] | None) -> Prepare:
     return lambda x: (x.float() - mean) * rstd
 
 
-def _inner_grads(k: Tensor, v: Tensor, weights: tuple[Tensor, ...], variant: str, c: float) -> tuple[Tensor, ...]:
-    """One chunk's share of dL/dW (`t5core.ttt.inner_step` with e normalised by the full N: c = scale / N;
-    c is applied to the (D, D) factors, not to the (n, D) ones; intermediates are overwritten in place)."""
-    k_t = k.transpose(-1, -2)
-    z1 = k @ weights[0]
-    a1, ds = _silu_and_grad_(z1, torch.sigmoid(z1))
-    if variant == "swiglu":
-        _, w2, w3 = weights
-        z2 = k @ w2
-        g3 = ((a1 * z2).transpose(-1, -2) @ v) * -c
-        da2 = v @ (w3.transpose(-1, -2) * -c)
-        g2 = k_t @ (da2 * a1)
-        return k_t @ da2.mul_(z2).mul_(ds), g2, g3
-    w2 = weights[1]
-    error = (a1 @ w2).sub_(v)
-    return k_t @ (error @ (w2.transpose(-1, -2) * c)).mul_(ds), (a1.transpose(-1, -2) @ error) * c
-
-
 def _apply_backward(q: Tensor, grad: Tensor, fast: tuple[Tensor, ...], variant: str) -> tuple[Tensor, tuple]:
     """Backward of o = f_W'(q) for one chunk: (dq, this chunk's share of dLoss/dW'), `(B, H, n, D)`."""
     q_t = q.transpose(-1, -2)
     if variant == "swiglu":
         w1, w2, w3 = fast
         u1, u2 = q @ w1, q @ w2
-        b1, db1 = _silu_and_grad_(u1, torch.sigmoid(u1))
+        b1, db1 = silu_and_grad_(u1, torch.sigmoid(u1))
         dp = grad @ w3.transpose(-1, -2)
         du1, du2 = dp * u2 * db1, dp * b1
         dq = du1 @ w1.transpose(-1, -2) + du2 @ w2.transpose(-1, -2)
         return dq, (q_t @ du1, q_t @ du2, (b1 * u2).transpose(-1, -2) @ grad)
     w1, w2 = fast
     u1 = q @ w1
-    b1, db1 = _silu_and_grad_(u1, torch.sigmoid(u1))
+    b1, db1 = silu_and_grad_(u1, torch.sigmoid(u1))
     du1 = (grad @ w2.transpose(-1, -2)) * db1
     return du1 @ w1.transpose(-1, -2), (q_t @ du1, b1.transpose(-1, -2) @ grad)
 
@@ -171,9 +143,7 @@ def _inner_step_backward(
         (w1, w2, w3), (u1, u2, u3) = weights, u
         e = v * -c
         z1, z2 = k @ w1, k @ w2
-        s1 = torch.sigmoid(z1)
-        dds = _silu_grad2(z1, s1)
-        a1, ds = _silu_and_grad_(z1, s1)
+        a1, ds, dds = _silu_grads_(z1)
         da2 = e @ w3.transpose(-1, -2)
         p1, p2 = da2 * z2 * ds, da2 * a1
         dp1, dp2, d_a = -(k @ u1), -(k @ u2), -(e @ u3.transpose(-1, -2))
@@ -186,9 +156,7 @@ def _inner_step_backward(
         return dk, de * -c, (k_t @ dz1, k_t @ dz2, d_da2.transpose(-1, -2) @ e)
     (w1, w2), (u1, u2) = weights, u
     z1 = k @ w1
-    s1 = torch.sigmoid(z1)
-    dds = _silu_grad2(z1, s1)
-    a1, ds = _silu_and_grad_(z1, s1)
+    a1, ds, dds = _silu_grads_(z1)
     e = (a1 @ w2 - v) * c
     e2 = e @ w2.transpose(-1, -2)
     dp1 = -(k @ u1)
@@ -234,7 +202,7 @@ def _forward(
     sums = [torch.zeros(layout.batch, *w.shape, dtype=torch.float32, device=q.device) for w in weights]
     for chunk in plan.chunks:
         k_BHND = plan.local(k, chunk, k_conv, keys)
-        _accumulate(sums, _inner_grads(k_BHND, _heads_first(v[:, chunk.tokens]), weights, layout.variant, c))
+        _accumulate(sums, inner_grads(k_BHND, _heads_first(v[:, chunk.tokens]), weights, layout.variant, c=c))
     fast = tuple(w - g for w, g in zip(weights, sums, strict=True))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for chunk in plan.chunks:

@@ -30,10 +30,12 @@ def test_the_call_contract_and_the_reference_list_their_public_names():
     assert ttt.__all__ == [
         "apply_locality",
         "inner_apply",
+        "inner_grads",
         "inner_loss",
         "inner_step",
         "key_instance_norm",
         "reference_attention",
+        "silu_and_grad_",
         "split_image",
         "t5_attention_ref",
     ]
