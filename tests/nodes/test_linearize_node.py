@@ -10,11 +10,10 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from t5core.config import BaseArch
 from testing import comfy_env, comfy_tiny
-from testing.comfy_prompts import sampling_prompt
+from testing.comfy_prompts import sampling_prompt, saved_latents
 from testing.models import tiny_transformer
 
 ARCH = BaseArch(depth=2, heads=2, head_dim=64, dual_attention_layers=(0,), qk_norm=True)
@@ -45,8 +44,7 @@ def _prompt(*, weights: str = "tiny_e2e.safetensors", layers: str = "", enabled:
 
 def _latents(comfy, result: comfy_env.PromptResult) -> torch.Tensor:
     assert result.success, result.errors
-    saved = result.outputs["8"]["latents"][0]
-    return load_file(str(comfy.output_dir / saved["subfolder"] / saved["filename"]))["latent_tensor"]
+    return saved_latents(comfy.output_dir, result.outputs)
 
 
 def test_the_pack_registers_one_v3_node_with_tooltips(comfy, node):
