@@ -22,6 +22,7 @@ seed) pairs already in the JSON file, so an interrupted sweep resumes.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import statistics
@@ -30,9 +31,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 import torch
-from torch import nn
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
 
 from benchmarks.timing import RESULTS_DIR, header_line, write_json
+from t5core.atomic import write_atomic
 from t5core.hosts.diffusers import linearize
 from trainer.config import LossConfig, OptimConfig, TrainConfig
 from trainer.distributed import derived_seed
@@ -40,14 +43,25 @@ from trainer.optim import build_scheduler
 from trainer.toy.baselines import PlainLinearAttention, reinit_inherited
 from trainer.toy.data import IMAGE_SIZE, make_batch
 from trainer.toy.artifacts import background_level, open_background_level, token_period_energy
-from trainer.toy.eval import batch_loss, eval_set, sample_hits, teacher_distance, toy_eval, validation_loss
+from trainer.toy.eval import (
+    ToyEvalScore,
+    batch_loss,
+    eval_set,
+    sample_hits,
+    score_images,
+    teacher_distance,
+    toy_eval,
+    validation_loss,
+)
+from trainer.toy.model import WEIGHTS_FILE, load_toy_base
 from trainer.toy.stats import paired_difference
-from trainer.toy.model import load_toy_base
 
 logger = logging.getLogger(__name__)
 
 WIDE_SIZE = 2 * IMAGE_SIZE
 """Image side of the 4x-token evaluation."""
+TEACHER_CACHE = RESULTS_DIR / ".cache"
+"""The teacher's evaluation images, kept between runs (not committed): every sweep compares with them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +252,19 @@ def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_images: 
     return result
 
 
+def teacher_eval(count: int) -> tuple[ToyEvalScore, Tensor]:
+    """The shipped teacher's ToyEval on `count` samples, from `TEACHER_CACHE` when this teacher file was
+    evaluated before (the images are deterministic: fixed captions, noise and weights)."""
+    digest = hashlib.sha256(WEIGHTS_FILE.read_bytes()).hexdigest()[:16]
+    path = TEACHER_CACHE / f"teacher-{digest}-{count}.safetensors"
+    if path.is_file():
+        images = load_file(path)["images"]
+    else:
+        _, images = toy_eval(load_toy_base(), count=count)
+        write_atomic(path, lambda temp: save_file({"images": images.contiguous()}, str(temp)))
+    return score_images(images, eval_set(count)[0]), images
+
+
 def overall_hits(images: torch.Tensor, count: int) -> list[int]:
     """Per evaluation sample, 1 where ToyEval reads every attribute of its caption, else 0."""
     captions, _ = eval_set(count)
@@ -334,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = EvalPlan(args.eval_count, args.wide_count, tuple(args.wide_rows))
     # in the order given, so the rows that matter most run first in a sweep that may be cut short
     rows = tuple(next(r for r in ROWS if r.name == name) for name in dict.fromkeys(args.rows))
-    teacher_score, teacher_images = toy_eval(load_toy_base(), count=plan.count)
+    teacher_score, teacher_images = teacher_eval(plan.count)
     teacher_hits = overall_hits(teacher_images, plan.count)
     results = _previous(args.json, budget, plan)
     meta = {
