@@ -286,7 +286,7 @@ def _memory_check(result: Result) -> list[str]:
 
 
 def _stored_table(result: Result) -> list[str]:
-    # `benchmarks/ablations.py` and `benchmarks/key_bias.py` store their printed table with the rows:
+    # `benchmarks/ablations.py`, `benchmarks/artifact_probe.py` and `benchmarks/key_bias.py` store their printed table with the rows:
     # a header line, a description line, a blank line, then the table.
     lines = result["meta"]["table"].splitlines()
     return [lines[1] + ".", "", *lines[3:]]
@@ -304,6 +304,58 @@ def _dynamic_vram(result: Result) -> list[str]:
     ]
 
 
+def _lowvram(result: Result) -> list[str]:
+    rows = [[item["check"], "ok" if item["ok"] else "FAIL", item["evidence"]] for item in result["rows"]]
+    return [
+        "T5 Linearize under ComfyUI's partial (low-VRAM) load with a weight budget of half the model, "
+        "against a full load.",
+        "",
+        *_table(["check", "result", "evidence"], rows),
+    ]
+
+
+def _bytes(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
+def _file_size(result: Result) -> list[str]:
+    meta = result["meta"]
+    intro = (
+        f"Tensor bytes of the exported T5 weights file, `{meta['layers']}` layers: the T5 parameters in fp32 and "
+        "`base.*` (every SD3 tensor holding a trained inherited weight) in fp32 (`--output.base_dtype fp32`) or in "
+        "the base checkpoint's precision (`--output.base_dtype base`, the default)."
+    )
+    rows = [
+        [
+            row["model"],
+            row["trainable"],
+            f"{row['t5_params'] / 1e6:.2f}M",
+            f"{row['base_params'] / 1e6:.1f}M",
+            _bytes(row["bytes_fp32"]),
+            f"{_bytes(row['bytes_base'])} ({row['base_dtype']})",
+        ]
+        for row in result["rows"]
+    ]
+    header = ["model", "trainable", "T5 params", "base params", "file, fp32 base.*", "file, base precision"]
+    lines = [intro, "", *_table(header, rows)]
+    if "toy_cost" in meta:
+        cost = [
+            [row["base_dtype"], _bytes(row["file_bytes"])]
+            + [f"{row[name]:.3f}" for name in ("overall", "color", "shape", "position", "size")]
+            + [f"{row['val_loss']:.5f}"]
+            for row in meta["toy_cost"]
+        ]
+        lines += [
+            "",
+            f"What the smaller file costs on the toy: `{meta['toy_weights']}` as exported (fp32 `base.*`) and with "
+            f"`base.*` rounded to float16, ToyEval from the same noise; the two files' samples differ by "
+            f"{meta['toy_sample_rms_difference']:.4f} RMS (pixels in [0, 1]).",
+            "",
+            *_table(["base.*", "file", "ToyEval overall", "color", "shape", "position", "size", "val loss"], cost),
+        ]
+    return lines
+
+
 Renderer = Callable[[Result], list[str]]
 # (file name pattern, section title, command that writes it, renderer); the first match wins.
 SECTIONS: tuple[tuple[str, str, str, Renderer], ...] = (
@@ -318,6 +370,8 @@ SECTIONS: tuple[tuple[str, str, str, Renderer], ...] = (
     ("kernels_*.json", "Triton kernels", "python -m benchmarks.bench_kernels", _kernels),
     ("comfy_step_*.json", "One ComfyUI sampling step", "python -m benchmarks.bench_comfy_step", _comfy_step),
     ("comfy_dynamic_vram_*.json", "ComfyUI Dynamic VRAM", "python -m tools.comfy_dynamic_vram", _dynamic_vram),
+    ("comfy_lowvram_*.json", "ComfyUI partial (low-VRAM) load", "python -m tools.comfy_lowvram", _lowvram),
+    ("file_size.json", "T5 weights file size", "python -m benchmarks.bench_file_size", _file_size),
     ("bench_toy_speed.json", "Toy sampling speed", "python -m benchmarks.bench_toy_speed", _toy_speed),
     ("trainer_throughput.json", "Trainer throughput", "python -m benchmarks.bench_trainer_throughput", _throughput),
     ("trainer_memory.json", "Trainer memory plan", "python -m benchmarks.bench_trainer_memory", _memory),
@@ -328,6 +382,7 @@ SECTIONS: tuple[tuple[str, str, str, Renderer], ...] = (
         _memory_check,
     ),
     ("ablations*.json", "Toy ablations", "python -m benchmarks.ablations", _stored_table),
+    ("artifact_probe*.json", "Artifact probe of a T5 toy file", "python -m benchmarks.artifact_probe", _stored_table),
     ("key_bias.json", "Key bias of the toy teacher", "python -m benchmarks.key_bias", _stored_table),
 )
 
@@ -342,9 +397,9 @@ every path against the reference before timing it, and writes its JSON under `be
 timed in the same run. What the toy ablations show is discussed in [docs/toy.md](../docs/toy.md).
 
 **GPU:** `bash benchmarks/gpu_check.sh` runs every GPU check in one go (the kernel tests on CUDA,
-`bench_kernels.py --backward --model-step`, `sweep_kernels.py`, `tools/comfy_dynamic_vram.py`); its header
-says what to carry to a GPU machine. Its JSON files, copied into `benchmarks/results/`, get their
-sections on the next `python -m benchmarks.report`."""
+`bench_kernels.py --backward --model-step`, `sweep_kernels.py`, `tools/comfy_dynamic_vram.py`,
+`tools/comfy_lowvram.py`); its header says what to carry to a GPU machine. Its JSON files, copied
+into `benchmarks/results/`, get their sections on the next `python -m benchmarks.report`."""
 
 
 def render(results_dir: Path = RESULTS_DIR) -> str:

@@ -1,0 +1,119 @@
+"""Where a T5 toy model's artifacts come from: its samples' levels against the teacher's, and how much
+of each converted module's output error against softmax is the same at every image token.
+
+    python -m benchmarks.artifact_probe runs/toy/t5.safetensors          # 48 samples
+    python -m benchmarks.artifact_probe FILE --count 180 --json artifact_probe_all_hybrid
+
+Samples: the evaluation set's first `--count` captions and noise for the teacher and for the shipped
+teacher converted with FILE (`t5core.hosts.diffusers.linearize`, torch backend); the background
+level, the open-background level (`trainer.toy.artifacts`) and ToyEval of both.
+
+Modules: while the T5 model samples, each converted module's T5 output on its image rows is compared
+with softmax attention over the same q, k, v (what the module would compute unconverted, with its
+fine-tuned projections). `rel err` = ||T5 - softmax|| / ||softmax||; `token-constant share` = the
+share of that error's energy in its mean over the image tokens (per sample, head and channel): 1
+means the error is one vector added to every image token, which decodes to a token-periodic pattern
+and lifts flat regions; white error gives about 1 / image tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from benchmarks.timing import header_line, write_json
+from t5core.attention import T5Attention
+from t5core.hosts.diffusers import linearize
+from trainer.toy.artifacts import background_level, open_background_level, token_period_energy
+from trainer.toy.eval import toy_eval
+from trainer.toy.model import load_toy_base
+
+
+@dataclass
+class ErrorEnergy:
+    """Running sums over one module's calls."""
+
+    error: float = 0.0
+    constant: float = 0.0
+    reference: float = 0.0
+
+    def add(self, t5_out: Tensor, softmax_out: Tensor) -> None:
+        error = (t5_out - softmax_out).float()  # (B, n, H, D)
+        self.error += error.square().sum().item()
+        self.constant += (error.mean(dim=1).square().sum() * error.shape[1]).item()
+        self.reference += softmax_out.float().square().sum().item()
+
+
+def _image_rows(x: Tensor, kwargs: dict) -> Tensor:
+    grid, text, first = kwargs["grid"], kwargs.get("text_tokens", 0), kwargs.get("text_first", True)
+    n = grid[0] * grid[1]
+    return x[:, text : text + n] if first and text else x[:, :n]
+
+
+def _recorder(energy: ErrorEnergy) -> Callable[[nn.Module, tuple, dict, Tensor], None]:
+    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Tensor) -> None:
+        q, k, v = args
+        softmax_out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+        energy.add(_image_rows(output, kwargs), _image_rows(softmax_out, kwargs))
+
+    return hook
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("weights", help="a T5 weights file for the toy (python trainer/run.py writes one)")
+    parser.add_argument("--count", type=int, default=48, help="evaluation samples")
+    parser.add_argument("--json", default="artifact_probe", help="name of the JSON file under benchmarks/results/")
+    args = parser.parse_args(argv)
+
+    with torch.no_grad():
+        teacher_score, teacher_images = toy_eval(load_toy_base(), count=args.count)
+        model = load_toy_base()
+        linearize(model, weights=args.weights, backend="torch")
+        energies = {}
+        for name, module in model.named_modules():
+            if isinstance(module, T5Attention):
+                energies[name.removesuffix(".processor.t5")] = energy = ErrorEnergy()
+                module.register_forward_hook(_recorder(energy), with_kwargs=True)
+        score, images = toy_eval(model, count=args.count)
+
+    samples = {
+        "toyeval": score.overall,
+        "teacher_toyeval": teacher_score.overall,
+        "background": background_level(images, teacher_images),
+        "teacher_background": background_level(teacher_images, teacher_images),
+        "open_background": open_background_level(images, teacher_images),
+        "teacher_open_background": open_background_level(teacher_images, teacher_images),
+        "token_period_energy": token_period_energy(images, teacher_images),
+    }
+    modules = [
+        {"module": name, "rel_err": (e.error / e.reference) ** 0.5, "token_constant_share": e.constant / e.error}
+        for name, e in energies.items()
+    ]
+    lines = [
+        header_line(),
+        f"artifact probe of {args.weights}: {args.count} evaluation samples against the teacher's",
+        "",
+        "| ToyEval (teacher) | background (teacher) | open background (teacher) | token-period energy |",
+        "|---|---|---|---|",
+        f"| {samples['toyeval']:.3f} ({samples['teacher_toyeval']:.3f}) | {samples['background']:.4f} "
+        f"({samples['teacher_background']:.5f}) | {samples['open_background']:.4f} "
+        f"({samples['teacher_open_background']:.5f}) | {samples['token_period_energy']:.4f} |",
+        "",
+        "| converted module | rel err vs softmax | token-constant share of the error |",
+        "|---|---|---|",
+        *(f"| {m['module']} | {m['rel_err']:.3f} | {m['token_constant_share']:.3f} |" for m in modules),
+    ]
+    table = "\n".join(lines)
+    print(table)
+    write_json(args.json, modules, meta={"weights": str(args.weights), "count": args.count, **samples, "table": table})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
