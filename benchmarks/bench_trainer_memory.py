@@ -34,7 +34,8 @@ T5_TOKENS = 256
 VAE_FACTOR = 8
 
 
-def _meta_model(name: str):
+def meta_model(name: str):
+    """The released transformer `name` (a folder of `trainer/configs/models`) on the meta device."""
     from diffusers import SD3Transformer2DModel
 
     config = json.loads((CONFIGS_DIR / name / "config.json").read_text(encoding="utf-8"))
@@ -69,7 +70,7 @@ def main() -> None:
     print(f"{'model':13} {'trains':10} {'mode':6} {'teacher':8} {'T5 GiB':>8} {'softmax':>8} {'ratio':>6}  fits")
     rows = []
     for name, published in PUBLISHED_PARAMS.items():
-        model = _meta_model(name)
+        model = meta_model(name)
         total = sum(p.numel() for p in model.parameters())
         if total != published:
             print(f"{name:13} FAIL: {total:,} parameters, the released model has {published:,}")

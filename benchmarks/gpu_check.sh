@@ -6,9 +6,14 @@
 #   bench  python3 -m benchmarks.bench_kernels --backward --model-step  -> kernels_cuda.json
 #   sweep  python3 -m benchmarks.sweep_kernels (launch settings at 2K)  -> kernels_sweep_cuda.json
 #   comfy  python3 -m tools.comfy_dynamic_vram: a real ComfyUI 0.33 server on CUDA (Dynamic VRAM), T5 on,
-#          T5 off, a LoRA after the node, the same prompt twice     -> comfy_dynamic_vram_cuda.json
+#          T5 off, a LoRA after the node, the same prompt twice; reports the T5 parameters copied
+#          per call (goal: none)                                    -> comfy_dynamic_vram_cuda.json
+#   lowvram python3 -m tools.comfy_lowvram: ComfyUI's partial (--lowvram) load in process, with a
+#          weight budget of half the model (a tiny model never runs short on a GPU, so the budget is
+#          set, not left to free memory): every T5 parameter loaded to the GPU, T5 parameters copied
+#          per call (goal: none), latents equal to a full load's  -> comfy_lowvram_cuda.json
 #
-#   bash benchmarks/gpu_check.sh                 # all four, in that order
+#   bash benchmarks/gpu_check.sh                 # all five, in that order
 #   bash benchmarks/gpu_check.sh bench sweep     # some of them
 #
 # Logs and JSON go to $OUT (the device tool's folder; else benchmarks/results/gpu_check). Each stage
@@ -22,7 +27,7 @@
 # and run with carry [".whl"]. Without it the bench stage fails at the model step, after its
 # attention table.
 #
-# The comfy stage runs the ComfyUI tree in $COMFYUI_TREE (default .comfyui/0.33.0, a copy of this
+# The comfy and lowvram stages run the ComfyUI tree in $COMFYUI_TREE (default .comfyui/0.33.0, a copy of this
 # machine's ~/comfy/0.33.0, README.md 'Tests': `mkdir -p .comfyui && cp -r ~/comfy/0.33.0 .comfyui/`,
 # with `echo /.comfyui/ >> .git/info/exclude`; 31 MB) and needs ComfyUI 0.33.0's requirements that the
 # device image lacks, as wheels in .whl (the same pip download, one NAME==VERSION each; at least
@@ -58,16 +63,18 @@ stage() {  # stage NAME LIMIT_S COMMAND...
     [ "$rc" -eq 0 ] || failed=1
 }
 
-for name in "${@:-tests bench sweep comfy}"; do
+for name in "${@:-tests bench sweep comfy lowvram}"; do
     for one in $name; do
         case $one in
             tests) stage tests 230 python3 -m pytest tests/t5kernels -q -n 12 -p no:cacheprovider \
                        --ignore=tests/t5kernels/test_bench_kernels.py ;;
             bench) stage bench 150 python3 -m benchmarks.bench_kernels --backward --model-step --results-dir "$out" ;;
-            sweep) stage sweep 120 python3 -m benchmarks.sweep_kernels --budget-s 95 --results-dir "$out" ;;
+            sweep) stage sweep 85 python3 -m benchmarks.sweep_kernels --budget-s 60 --results-dir "$out" ;;
             comfy) stage comfy 75 python3 -m tools.comfy_dynamic_vram --comfyui "${COMFYUI_TREE:-.comfyui/0.33.0}" \
                        --results-dir "$out" ;;
-            *) echo "unknown stage '$one' (tests, bench, sweep, comfy)" | tee -a "$log"; exit 2 ;;
+            lowvram) stage lowvram 35 python3 -m tools.comfy_lowvram --comfyui "${COMFYUI_TREE:-.comfyui/0.33.0}" \
+                       --results-dir "$out" ;;
+            *) echo "unknown stage '$one' (tests, bench, sweep, comfy, lowvram)" | tee -a "$log"; exit 2 ;;
         esac
     done
 done

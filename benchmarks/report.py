@@ -342,7 +342,7 @@ def _file_size(result: Result) -> list[str]:
         cost = [
             [row["base_dtype"], _bytes(row["file_bytes"])]
             + [f"{row[name]:.3f}" for name in ("overall", "color", "shape", "position", "size")]
-            + [f"{row['val_loss']:.5f}"]
+            + [f"{row['val_loss']:.6f}"]
             for row in meta["toy_cost"]
         ]
         lines += [

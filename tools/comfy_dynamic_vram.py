@@ -15,7 +15,9 @@ off again. Checks, each recorded pass/fail with the evidence:
 * same_prompt_is_bit_identical, undo_is_bit_identical: T5 on twice agree exactly, and T5 off after
   T5 on gives the first softmax latents bit for bit;
 * finite_latents; no_per_call_weight_copy: the T5 weights were loaded on the device, never copied
-  per call; no_fallback_memory_free: no "Non dynamic memory free" (a plain patcher among dynamic ones).
+  per call (the evidence and the JSON's `per_call_copies` list t5core's log lines naming each layer
+  and the parameters it copies per call; goal: none); no_fallback_memory_free: no "Non dynamic
+  memory free" (a plain patcher among dynamic ones).
 
 Prints a table and writes `comfy_dynamic_vram_<device>.json` (under `benchmarks/results/` unless
 `--results-dir` says otherwise: `python -m benchmarks.report` renders it); exits 1 if a check that
@@ -34,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.timing import RESULTS_DIR, header_line, write_json
+from t5core.hosts.comfy_runtime import COPY_LOG
 from t5core.hosts.diffusers import arch_of
 from testing import comfy_env, comfy_tiny
 from testing.comfy_prompts import sampling_prompt
@@ -90,6 +93,12 @@ def run_prompts(server: ComfyServer) -> tuple[dict[str, torch.Tensor], dict[str,
     return latents, seconds
 
 
+def per_call_copies(log: str) -> list[str]:
+    """t5core's log lines for T5 parameters that ComfyUI left on the offload device, so that they are
+    copied on every call (one line per layer: which parameters, from and to which device)."""
+    return [line.strip() for line in log.splitlines() if COPY_LOG in line]
+
+
 def checks(latents: dict[str, torch.Tensor], log: str, cuda: bool) -> list[dict]:
     """The module docstring's checks; `applies` is False for dynamic_vram on CPU."""
 
@@ -121,7 +130,11 @@ def checks(latents: dict[str, torch.Tensor], log: str, cuda: bool) -> list[dict]
             delta("softmax_after", "softmax") == 0.0,
             f"max |softmax_after - softmax| {delta('softmax_after', 'softmax'):.3g}",
         ),
-        row("no_per_call_weight_copy", "copying them to" not in log, "no 'copying them to ... per call' log line"),
+        row(
+            "no_per_call_weight_copy",
+            not per_call_copies(log),
+            f"T5 parameters copied per call: {per_call_copies(log)[:4] or 'none'}",
+        ),
         row("no_fallback_memory_free", "Non dynamic memory free" not in log, "no 'Non dynamic memory free' log line"),
     ]
 
@@ -156,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     path = write_json(
         f"comfy_dynamic_vram_{device}",
         rows,
-        {"comfyui": str(tree), "prompt_seconds": seconds, "log_tail": log.splitlines()[-60:]},
+        {
+            "comfyui": str(tree),
+            "prompt_seconds": seconds,
+            "per_call_copies": per_call_copies(log),
+            "log_tail": log.splitlines()[-60:],
+        },
         directory=args.results_dir,
     )
     print(f"wrote {path}")

@@ -81,8 +81,13 @@ def export_weights(
     world: World,
     *,
     provenance: dict[str, Any],
+    base_dtype: torch.dtype = torch.float32,
 ) -> Path | None:
     """Write the T5 weights file from the trained student (collective; rank 0 writes).
+
+    Args:
+        base_dtype: the precision of the file's `base.*` tensors (`--output.base_dtype`: the base
+            checkpoint's, `trainer.model.base_checkpoint_dtype`, or float32); T5 parameters stay float32.
 
     Returns:
         The path on rank 0, None on other ranks.
@@ -102,9 +107,15 @@ def export_weights(
         }
         module.load_file_state(state)
         modules[module_name] = module
-    base = base_tensors(tensors, handle.arch, params=split.inherited)
+    base = {key: t.to(base_dtype) for key, t in base_tensors(tensors, handle.arch, params=split.inherited).items()}
     written = save(path, modules, arch=handle.arch, config=handle.config, base=base, provenance=provenance)
-    logger.info("Export: %s (%d T5 modules, %d base tensors)", written, len(modules), len(base))
+    logger.info(
+        "Export: %s (%d T5 modules, %d base tensors in %s)",
+        written,
+        len(modules),
+        len(base),
+        str(base_dtype).removeprefix("torch."),
+    )
     return written
 
 

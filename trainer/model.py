@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,15 @@ from trainer.config import ModelConfig, OptimConfig
 from trainer.presets import get_preset
 from trainer.sources import PipelineFiles, find_text_parts, local_base
 
-__all__ = ["ParamSplit", "build_student", "find_pipeline_folder", "load_base", "make_teacher", "split_parameters"]
+__all__ = [
+    "ParamSplit",
+    "base_checkpoint_dtype",
+    "build_student",
+    "find_pipeline_folder",
+    "load_base",
+    "make_teacher",
+    "split_parameters",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +139,48 @@ def load_base(config: ModelConfig) -> nn.Module:
         )
     arch_of(model)
     return model.eval()
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_BLOCK_KEYS = ("joint_blocks.", "transformer_blocks.")
+"""Transformer-block tensors in SD3 and diffusers naming (a single file may also bundle text encoders)."""
+
+
+def _base_files(config: ModelConfig) -> list[Path]:
+    preset = get_preset(config.base)
+    if preset is not None:
+        return [path for path in preset.weight_files().values() if path.suffix == ".safetensors"]
+    path = local_base(config)
+    return sorted(_transformer_folder(path)[0].glob("*.safetensors")) if path.is_dir() else [path]
+
+
+def base_checkpoint_dtype(config: ModelConfig) -> torch.dtype:
+    """The precision the base checkpoint stores its transformer blocks in, read from the safetensors
+    headers (no tensor is loaded): the dtype holding most of the blocks' parameters.
+
+    A T5 weights file holds float32, float16 and bfloat16 tensors: an fp8 base gives bfloat16 (which
+    holds every fp8 value exactly), and a base whose blocks are in neither (fp64, or no safetensors
+    file) gives float32, with a log line.
+
+    Raises:
+        FileNotFoundError: as `load_base`, for a base that does not exist.
+    """
+    from safetensors import safe_open
+
+    counts: dict[str, int] = {}
+    for file in _base_files(config):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                if any(block in key for block in _BLOCK_KEYS):
+                    part = handle.get_slice(key)
+                    counts[part.get_dtype()] = counts.get(part.get_dtype(), 0) + math.prod(part.get_shape())
+    stored = max(counts, key=counts.__getitem__) if counts else "none"
+    if stored in _SAFETENSORS_DTYPES:
+        return _SAFETENSORS_DTYPES[stored]
+    if stored.startswith("F8"):
+        return torch.bfloat16
+    logger.info("Model: the base stores its blocks as %s; exported base.* tensors stay float32", stored)
+    return torch.float32
 
 
 def find_pipeline_folder(model: ModelConfig, pipeline: str) -> PipelineFiles:

@@ -32,7 +32,15 @@ from trainer.loop import TrainParts, train_loop
 from trainer.losses import AttentionCapture
 from trainer.memory import MemoryPlan, check_plan, count_parameters, run_shape
 from trainer.metrics import MetricsWriter
-from trainer.model import ParamSplit, build_student, find_pipeline_folder, load_base, make_teacher, split_parameters
+from trainer.model import (
+    ParamSplit,
+    base_checkpoint_dtype,
+    build_student,
+    find_pipeline_folder,
+    load_base,
+    make_teacher,
+    split_parameters,
+)
 from trainer.model_card import RUN_CARD, base_digests, model_card
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import apply_activation_checkpointing, apply_ddp, apply_fsdp, store_frozen_in
@@ -297,6 +305,7 @@ def _run(config: TrainConfig, world: World) -> RunResult:
         save_config(config, output / "config.toml")
 
     base = load_base(config.model)
+    base_dtype = torch.float32 if config.output.base_dtype == "fp32" else base_checkpoint_dtype(config.model)
     source = _build_source(config, base, world, output)
     plan = BatchPlan(source.buckets(), batch_size=config.training.batch_size, seed=config.training.seed)
     compute_dtype = torch.bfloat16 if config.training.precision == "bf16" else torch.float32
@@ -380,8 +389,9 @@ def _run(config: TrainConfig, world: World) -> RunResult:
         "trainable": config.model.trainable,
         "data": config.data.source,
         "loss_weights": {key: getattr(config.loss, f"{key}_weight") for key in ("flow", "distill", "feature")},
+        "base_dtype": str(base_dtype).removeprefix("torch."),
     }
-    export_weights(weights, handle, split, world, provenance=provenance)
+    export_weights(weights, handle, split, world, provenance=provenance, base_dtype=base_dtype)
     toy_eval = None
     preset = get_preset(config.model.base)
     if preset is not None:

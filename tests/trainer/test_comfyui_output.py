@@ -187,12 +187,13 @@ def test_a_toy_run_installed_in_comfyui_runs_in_the_node_as_it_ran_in_the_traine
     name = "toy_installed_t5.safetensors"
     env.models_dir.mkdir(exist_ok=True)  # a ComfyUI install ships models/; the test base dir makes it lazily
     # A large lr from step 1 moves every weight by about 1e-3 a step (Adam): a file whose fine-tuned
-    # base.* weights were not applied would miss the tolerance below by far.
+    # base.* weights were not applied would miss the tolerance below by far. fp32 base.*, so that the
+    # comparison is of two implementations, not of the default float16 rounding (docs/training.md).
     argv = [
         "--training.steps", "2", "--training.batch_size", "2", "--training.threads", "1",
         "--optim.lr", "1e-3", "--optim.warmup_steps", "0",
         "--output.dir", str(tmp_path / "out"), "--output.progress", "false", "--output.toy_eval_samples", "0",
-        "--output.comfyui", str(env.base_dir), "--output.name", name,
+        "--output.comfyui", str(env.base_dir), "--output.name", name, "--output.base_dtype", "fp32",
     ]  # fmt: skip
     result = run(parse_args(argv))
     assert name in folder_paths.get_filename_list("t5_linearize")

@@ -12,7 +12,7 @@ from t5core.hosts.diffusers import arch_of
 from t5core.sd3_keys import diffusers_to_sd3
 from testing.trainer_assets import trainer_transformer, write_base
 from trainer.config import ModelConfig
-from trainer.model import CONFIGS_DIR, _shipped_config, load_base
+from trainer.model import CONFIGS_DIR, _shipped_config, base_checkpoint_dtype, load_base
 
 PREFIX = "model.diffusion_model."
 
@@ -82,3 +82,41 @@ def test_shipped_configs_build_the_published_models(name, params):
     with torch.device("meta"):
         model = SD3Transformer2DModel.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == params
+
+
+def _dtypes_file(path, blocks: torch.dtype, *, other: torch.dtype = torch.float32):
+    """A single file whose transformer blocks are in `blocks` and whose other tensors (embedders, a
+    bundled text encoder) are larger and in `other`: only the blocks decide."""
+    tensors = {
+        PREFIX + "joint_blocks.0.x_block.attn.qkv.weight": torch.zeros(6, 4, dtype=blocks),
+        PREFIX + "joint_blocks.1.context_block.mlp.fc1.weight": torch.zeros(8, 4, dtype=blocks),
+        PREFIX + "x_embedder.proj.weight": torch.zeros(64, 64, dtype=other),
+        "text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight": torch.zeros(64, 64),
+    }
+    save_file(tensors, str(path))
+    return path
+
+
+@pytest.mark.parametrize(
+    "stored, expected",
+    [
+        pytest.param(torch.float16, torch.float16, id="fp16"),
+        pytest.param(torch.bfloat16, torch.bfloat16, id="bf16"),
+        pytest.param(torch.float32, torch.float32, id="fp32"),
+        pytest.param(torch.float8_e4m3fn, torch.bfloat16, id="fp8-as-bf16"),
+        pytest.param(torch.float64, torch.float32, id="fp64-as-fp32"),
+    ],
+)
+def test_the_base_checkpoints_precision_is_read_from_its_blocks(tmp_path, stored, expected):
+    path = _dtypes_file(tmp_path / "base.safetensors", stored, other=torch.float32)
+    assert base_checkpoint_dtype(ModelConfig(base=str(path))) == expected
+
+
+def test_the_base_precision_of_a_diffusers_folder_and_of_the_toy(tmp_path):
+    trainer_transformer().to(torch.bfloat16).save_pretrained(tmp_path / "pipeline" / "transformer")
+    (tmp_path / "pipeline" / "model_index.json").write_text("{}")
+    assert base_checkpoint_dtype(ModelConfig(base=str(tmp_path / "pipeline"))) == torch.bfloat16
+    write_base(tmp_path / "fp32")
+    assert base_checkpoint_dtype(ModelConfig(base=str(tmp_path / "fp32"))) == torch.float32
+    # the toy's weights file is fp16 (trainer/toy/weights/toy_sd35.json records the recipe's dtype)
+    assert base_checkpoint_dtype(ModelConfig()) == torch.float16

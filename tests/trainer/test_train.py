@@ -134,6 +134,78 @@ def test_exported_file_reproduces_the_trained_model(inputs, tmp_path):
     assert (loaded - untouched).abs().max() > 1e-3  # the file changes the model
 
 
+def test_base_tensors_are_exported_in_the_base_precision_unless_fp32_is_asked(inputs, tmp_path):
+    """`--output.base_dtype base` (the default) stores `base.*` as the base checkpoint does (float16
+    here: half the bytes), `fp32` as trained; T5 parameters stay float32 either way. Same seed, so the
+    float16 tensors are the float32 ones rounded, and both files load into the base and run alike."""
+    from safetensors import safe_open
+
+    from testing.trainer_assets import trainer_transformer
+
+    half = tmp_path / "base_fp16"
+    trainer_transformer().to(torch.float16).save_pretrained(half)
+    files, provenance, outputs = {}, {}, {}
+    generator = torch.Generator().manual_seed(0)
+    kwargs = dict(
+        hidden_states=torch.randn(1, 16, 8, 12, generator=generator),
+        encoder_hidden_states=torch.randn(1, 7, 32, generator=generator),
+        pooled_projections=torch.randn(1, 64, generator=generator),
+        timestep=torch.tensor([500.0]),
+        return_dict=False,
+    )
+    for choice in ("base", "fp32"):
+        config = config_for(
+            {**inputs, "base": half}, tmp_path / choice, "--training.steps", "1", "--output.base_dtype", choice
+        )
+        weights = run(config).weights
+        with safe_open(str(weights), "pt") as handle:
+            files[choice] = {key: handle.get_tensor(key) for key in handle.keys()}
+            provenance[choice] = json.loads(handle.metadata()["t5.trainer"])["base_dtype"]
+        with torch.no_grad():
+            outputs[choice] = linearize(load_base(config.model), weights=weights).model.eval()(**kwargs)[0]
+    assert provenance == {"base": "float16", "fp32": "float32"}
+    base_keys = [key for key in files["base"] if key.startswith("base.")]
+    assert base_keys and files["base"].keys() == files["fp32"].keys()
+    for key, tensor in files["base"].items():
+        assert tensor.dtype == (torch.float16 if key in base_keys else torch.float32), key
+        assert files["fp32"][key].dtype == torch.float32
+        assert torch.equal(tensor, files["fp32"][key].to(tensor.dtype)), key
+    # float16 keeps 11 significant bits: the inherited weights move by about 5e-4 of their size
+    assert (outputs["base"] - outputs["fp32"]).abs().max() < 1e-2 * outputs["fp32"].abs().max()
+
+
+def test_a_checkpoint_from_before_the_fastweights_layout_resumes_to_the_same_weights(inputs, tmp_path):
+    """Checkpoints written before `T5Attention` kept its fast weights in `fast` name them `....t5.w1`:
+    resuming one renames them (model and optimizer state) instead of silently starting those from
+    their initial values, and finishes with the weights of an uninterrupted run."""
+    from safetensors.torch import load_file, save_file
+
+    flags = ("--training.steps", "2", "--checkpoint.every", "1", "--model.layers", "paper")
+    reference = load_file(str(run(config_for(inputs, tmp_path / "whole", *flags)).weights))
+    step1 = tmp_path / "whole" / "checkpoints" / "step-1"
+    legacy = tmp_path / "legacy-step-1"
+    legacy.mkdir()
+    for item in step1.iterdir():
+        (legacy / item.name).write_bytes(item.read_bytes())
+    model_state = load_file(str(step1 / "model.safetensors"))
+    assert any(".t5.fast." in name for name in model_state)
+    save_file(
+        {name.replace(".t5.fast.", ".t5."): t for name, t in model_state.items()}, str(legacy / "model.safetensors")
+    )
+    optim_state = torch.load(step1 / "optimizer.pt", weights_only=True)
+    optim_state["state"] = {name.replace(".t5.fast.", ".t5."): value for name, value in optim_state["state"].items()}
+    for group in optim_state["param_groups"]:
+        group["params"] = [name.replace(".t5.fast.", ".t5.") for name in group["params"]]
+    torch.save(optim_state, legacy / "optimizer.pt")
+
+    resumed = load_file(
+        str(run(config_for(inputs, tmp_path / "resumed", *flags, "--checkpoint.resume", str(legacy))).weights)
+    )
+    assert resumed.keys() == reference.keys()
+    for key in reference:
+        assert torch.equal(resumed[key], reference[key]), key
+
+
 def test_time_budget_stops_checkpoints_and_exports(inputs, tmp_path):
     config = config_for(inputs, tmp_path, "--training.steps", "50", "--training.max_minutes", "1e-6")
     result = run(config)
