@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.timing import header_line, write_json
-from trainer.memory import GIB, ParamCounts, PlanSettings, RunShape, plan_memory
+from trainer.memory import GIB, PlanSettings, plan_memory
+from trainer.time_estimate import ParamCounts, RunShape
 
 RECIPE = Path(__file__).resolve().parent.parent / "trainer" / "configs" / "sd35_medium_24gb.toml"
 TOLERANCE = 0.15

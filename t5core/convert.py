@@ -18,15 +18,10 @@ from torch import Tensor
 from t5core.attention import T5Attention
 from t5core.config import BaseArch, T5Config
 from t5core.layers import LayerSpec
-from t5core.sd3_keys import diffusers_to_sd3, key_rules
+from t5core.sd3_keys import diffusers_module, diffusers_to_sd3, key_rules
 from t5core.weights import T5Weights, T5WeightsError, build_modules, check_base, check_compatible, load
 
-__all__ = ["Prepared", "base_sources", "base_tensors", "diffusers_module", "prepare"]
-
-
-def diffusers_module(layer: str) -> str:
-    """The diffusers path of a converted module: `blocks.3.attn2` -> `transformer_blocks.3.attn2`."""
-    return "transformer_" + layer
+__all__ = ["Prepared", "base_sources", "base_tensors", "prepare"]
 
 
 @dataclass(frozen=True)

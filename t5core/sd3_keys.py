@@ -2,7 +2,9 @@
 SD3 checkpoint naming (`joint_blocks.{i}.x_block.attn.qkv.weight`, ...) that ComfyUI and Stability's
 files use, and that the T5 weights file uses for its `base.*` tensors.
 
-Three kinds of rules map one name to the other: the same tensor renamed; the fused `qkv` as the
+T5 Linearize names an attention module as a layer (`blocks.3.attn2`, the weights file's and layer
+specs' naming); its diffusers module path adds `transformer_` (`diffusers_module`, undone by
+`layer_name`). Three kinds of rules map one weight name to the other: the same tensor renamed; the fused `qkv` as the
 concatenation of diffusers' separate q, k and v projections (rows [q; k; v]); and the final-layer and
 last-block text adaLN, whose two chunks are (shift, scale) in SD3 and (scale, shift) in diffusers.
 """
@@ -18,7 +20,9 @@ from torch import Tensor
 
 from t5core.config import BaseArch
 
-__all__ = ["KeyRule", "diffusers_to_sd3", "key_rules", "sd3_to_diffusers"]
+__all__ = ["KeyRule", "diffusers_module", "diffusers_to_sd3", "key_rules", "layer_name", "sd3_to_diffusers"]
+
+_DIFFUSERS_PREFIX = "transformer_"
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +32,16 @@ class KeyRule:
     sd3: str
     diffusers: tuple[str, ...]
     kind: Literal["same", "fused", "swapped"] = "same"
+
+
+def diffusers_module(layer: str) -> str:
+    """The diffusers path of a layer: `blocks.3.attn2` -> `transformer_blocks.3.attn2`."""
+    return _DIFFUSERS_PREFIX + layer
+
+
+def layer_name(module: str) -> str:
+    """The layer a diffusers module path names: `transformer_blocks.3.attn2` -> `blocks.3.attn2`."""
+    return module.removeprefix(_DIFFUSERS_PREFIX)
 
 
 def _linear(sd3: str, diffusers: str, kind: str = "same") -> list[KeyRule]:
@@ -66,7 +80,7 @@ def key_rules(arch: BaseArch) -> tuple[KeyRule, ...]:
         *_linear("final_layer.adaLN_modulation.1", "norm_out.linear", "swapped"),
     ]
     for i in range(arch.depth):
-        s, d = f"joint_blocks.{i}", f"transformer_blocks.{i}"
+        s, d = f"joint_blocks.{i}", diffusers_module(f"blocks.{i}")
         last = i == arch.depth - 1
         rules += _attention(f"{s}.x_block.attn", f"{d}.attn", text=False, qk_norm=arch.qk_norm, output=True)
         rules += _attention(f"{s}.context_block.attn", f"{d}.attn", text=True, qk_norm=arch.qk_norm, output=not last)

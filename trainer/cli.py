@@ -2,7 +2,8 @@
 
 Each field `x` of section `s` is the flag `--s.x` and the key `x` of the TOML table `[s]`; its help
 text is the field's docstring. Precedence: defaults < `--config FILE` < flags. Unknown TOML keys are
-errors (a typo never passes silently).
+errors (a typo never passes silently). `add_flags` is the one flag generator: the trainer's other
+commands (`trainer/push.py`, `python -m trainer.toy.pretrain`) build their flags with it too.
 """
 
 from __future__ import annotations
@@ -15,18 +16,20 @@ import inspect
 import sys
 import types
 import typing
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
 
 from t5core.atomic import write_text_atomic
 from trainer.config import TrainConfig
+from trainer.presets import check_config
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:
     import tomli as tomllib
 
-__all__ = ["config_to_toml", "load_toml", "parse_args", "save_config"]
+__all__ = ["add_flags", "build_parser", "config_to_toml", "load_toml", "parse_args", "save_config"]
 
 _NONE = "none"
 
@@ -74,6 +77,49 @@ def _converter(hint: Any, flag: str) -> tuple[Any, list[str] | None]:
     raise TypeError(f"config field {flag} has type {hint}, which the CLI cannot parse.")
 
 
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    *,
+    section: str = "",
+    only: Collection[str] | None = None,
+    required: Collection[str] = (),
+) -> None:
+    """Add one flag per field of the dataclass `cls`: `--section.field`, or `--field-name` without a
+    section (underscores as hyphens). The field's type parses the value (and gives the choices of a
+    `Literal`); `--help` shows its docstring and default. A value is stored under the flag's name
+    (`section.field`, or `field`) only when the flag is given, so `cls(**given)` keeps the defaults.
+
+    Args:
+        parser: the parser or argument group the flags join.
+        cls: a dataclass whose fields all have defaults.
+        section (`str`, *optional*): the flags' prefix; empty gives plain `--field-name` flags.
+        only (`Collection[str]`, *optional*): the fields to expose (default: every field, in order).
+        required (`Collection[str]`, *optional*): fields whose flag must be given.
+    """
+    defaults = cls()
+    docs = _field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for item in dataclasses.fields(cls):
+        if only is not None and item.name not in only:
+            continue
+        dest = f"{section}.{item.name}" if section else item.name
+        parse, choices = _converter(hints[item.name], dest)
+        help_text = docs.get(item.name, "").replace("%", "%%")
+        if item.name not in required:
+            help_text += f" (default: {_toml_value(getattr(defaults, item.name))})"
+        parser.add_argument(
+            f"--{dest}" if section else f"--{item.name.replace('_', '-')}",
+            dest=dest,
+            type=parse,
+            choices=choices,
+            default=argparse.SUPPRESS,
+            required=item.name in required,
+            metavar=_metavar(hints[item.name]) if choices is None else None,
+            help=help_text.strip(),
+        )
+
+
 def _parse_bool(text: str) -> bool:
     lowered = text.lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -96,24 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--config", metavar="FILE.toml", help="TOML file with [section] tables of these settings.")
-    defaults = TrainConfig()
     for section, cls in _section_types().items():
-        group = parser.add_argument_group(section, (cls.__doc__ or "").strip())
-        docs = _field_docs(cls)
-        hints = typing.get_type_hints(cls)
-        for item in dataclasses.fields(cls):
-            flag = f"{section}.{item.name}"
-            parse, choices = _converter(hints[item.name], flag)
-            default = getattr(getattr(defaults, section), item.name)
-            help_text = docs.get(item.name, "").replace("%", "%%") + f" (default: {_toml_value(default)})"
-            group.add_argument(
-                f"--{flag}",
-                dest=flag,
-                type=parse,
-                choices=choices,
-                metavar=_metavar(hints[item.name]) if choices is None else None,
-                help=help_text,
-            )
+        add_flags(parser.add_argument_group(section, (cls.__doc__ or "").strip()), cls, section=section)
     return parser
 
 
@@ -191,7 +221,8 @@ def _coerce(value: Any, hint: Any, flag: str) -> Any:
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    """Parse flags (and the `--config` file they name) into a validated `TrainConfig`.
+    """Parse flags (and the `--config` file they name) into a `TrainConfig` checked by its sections and
+    by `trainer.presets.check_config`.
 
     Raises:
         SystemExit: bad flags (argparse prints the usage) or `--help`.
@@ -203,7 +234,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     for flag, value in namespace.items():
         section, key = flag.split(".", 1)
         values.setdefault(section, {})[key] = value
-    return _build(values)
+    config = _build(values)
+    check_config(config)
+    return config
 
 
 def config_to_toml(config: TrainConfig) -> str:

@@ -3,7 +3,9 @@
 Every field is one `--section.field` flag (generated in `trainer.cli`) and one key of a TOML file
 (`[section]` tables). Precedence: the defaults here < the TOML file < flags. The defaults are the
 built-in toy preset, so `python trainer/run.py` with no arguments trains the toy end to end.
-Validation raises `ValueError` naming the flag to change.
+Each section checks its own fields when it is built and raises `ValueError` naming the flag to change;
+the checks against model presets and data sources are a separate step, `trainer.presets.check_config`,
+which the CLI and `trainer.train.run` call. This module imports nothing of the trainer.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+import torch
+
 from t5core.contract import Variant
 from t5core.hybrid import JointMode, Merge
-from trainer.presets import get_preset, preset_data_sources
 
 __all__ = [
     "CheckpointConfig",
@@ -33,6 +36,8 @@ COMFYUI_TEXT_ENCODERS = "models/text_encoders"
 """Where a ComfyUI install keeps text encoder files (relative to `--model.comfyui`)."""
 COMFYUI_DEFAULT_CHECKPOINT = "sd3.5_medium.safetensors"
 """The checkpoint the shipped workflows load; `--model.comfyui` uses it when `--model.base` is left at `toy`."""
+DEFAULT_BASE = "toy"
+"""`--model.base` when it is not given: the built-in toy preset."""
 
 
 def _require(condition: bool, flag: str, message: str) -> None:
@@ -44,7 +49,7 @@ def _require(condition: bool, flag: str, message: str) -> None:
 class ModelConfig:
     """The base model and how it is converted."""
 
-    base: str = "toy"
+    base: str = DEFAULT_BASE
     """`toy` (the built-in toy SD3.5 model), a diffusers folder (a pipeline folder with `transformer/`,
     or a transformer folder with `config.json`), a single-file SD3 / SD3.5 `.safetensors` checkpoint (with or
     without bundled text encoders, as ComfyUI loads them), or a Hugging Face Hub repo id such as
@@ -105,7 +110,7 @@ class ModelConfig:
     def _resolve_comfyui_names(self) -> None:
         """Bare file names become paths in the ComfyUI folder (a string rule: files are checked when loading)."""
         root = self.comfyui.rstrip("/")
-        base = COMFYUI_DEFAULT_CHECKPOINT if get_preset(self.base) is not None else self.base
+        base = COMFYUI_DEFAULT_CHECKPOINT if self.base == DEFAULT_BASE else self.base
         if "/" not in base:
             self.base = f"{root}/{COMFYUI_CHECKPOINTS}/{base}"
         for name in ("clip_l", "clip_g", "t5xxl"):
@@ -155,11 +160,6 @@ class DataConfig:
     """`images` / `prompts`: T5 text tokens (SD3 uses 77 CLIP + this many T5 tokens)."""
 
     def __post_init__(self) -> None:
-        _require(
-            self.source == "prompts" or self.source in preset_data_sources() or bool(self.path),
-            "data.path",
-            f"source {self.source!r} needs a path.",
-        )
         _require(
             self.resolution >= 0 and self.resolution % 16 == 0, "data.resolution", "must be a multiple of 16 (or 0)."
         )
@@ -272,6 +272,11 @@ class TrainingConfig:
         _require(self.max_minutes >= 0, "training.max_minutes", "must not be negative.")
         _require(self.threads >= 0, "training.threads", "must not be negative.")
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype of `precision`: bfloat16 (autocast, FSDP2 parameters, frozen copies) or float32."""
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
@@ -365,23 +370,6 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-
-    def __post_init__(self) -> None:
-        preset = get_preset(self.model.base)
-        if preset is not None:
-            _require(
-                self.data.source == preset.data_source,
-                "data.source",
-                f"the {preset.name} base trains on its own data, --data.source {preset.data_source}; got "
-                f"--data.source {self.data.source!r}.",
-            )
-        else:
-            _require(
-                self.data.source not in preset_data_sources(),
-                "data.source",
-                f"--data.source {self.data.source!r} belongs to a built-in model; --model.base "
-                f"{self.model.base!r} trains on `images`, `prompts` or a `cache`.",
-            )
 
     @staticmethod
     def sections() -> tuple[str, ...]:

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from trainer.distributed import derived_seed
+from trainer.seeds import derived_seed
 
 __all__ = ["Batch", "BatchPlan", "Source"]
 

@@ -1,4 +1,4 @@
-"""Process-group setup shared by one process and N: ranks, device, per-rank seeds, teardown.
+"""Process-group setup shared by one process and N: ranks, device, teardown (seeds: `trainer.seeds`).
 
 Under `torchrun` the world comes from its environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 `MASTER_ADDR`, `MASTER_PORT`). A plain `python trainer/run.py` becomes a world of one with an
@@ -7,19 +7,20 @@ in-memory store, so DDP, FSDP2 and the collectives run the same code path in bot
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import random
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from trainer.config import ParallelConfig
 
-__all__ = ["World", "derived_seed", "init_world", "rank_seed", "seed_everything"]
+# benchmarks/ablations.py imports derived_seed from here, and a running sweep re-imports it on every
+# restart; it moves to `from trainer.seeds import derived_seed` when the sweep is done (issue 21).
+from trainer.seeds import derived_seed  # noqa: F401
+
+__all__ = ["World", "init_world"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,25 +100,3 @@ def init_world(config: ParallelConfig) -> World:
     )
     logger.info("Distributed: rank %d of %d on %s (%s)", world.rank, world.world_size, device, world.backend)
     return world
-
-
-def derived_seed(seed: int, *stream: int | str) -> int:
-    """A 63-bit seed for one named random stream of a run (`derived_seed(seed, "noise", step)`).
-
-    Stable across processes, machines and Python versions (a hash of the text, not `hash()`), and
-    independent streams for different names, steps or ranks.
-    """
-    text = ":".join(str(part) for part in (seed, *stream))
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-
-def rank_seed(seed: int, rank: int) -> int:
-    """The seed of rank-local randomness (dropout and the like); data and noise use global streams."""
-    return derived_seed(seed, "rank", rank)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (all devices)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)

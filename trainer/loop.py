@@ -19,9 +19,10 @@ from torch import Tensor, nn
 from trainer.checkpoint import CheckpointManager
 from trainer.config import TrainConfig
 from trainer.data import Batch, BatchPlan, Source
-from trainer.distributed import World, derived_seed
+from trainer.distributed import World
 from trainer.losses import AttentionCapture, add_noise, combine, predict_velocity, sample_sigmas
 from trainer.metrics import MetricsWriter, Progress
+from trainer.seeds import derived_seed
 
 __all__ = ["LoopResult", "TrainParts", "train_loop", "train_step"]
 
@@ -59,7 +60,7 @@ class LoopResult:
 
 def _autocast(parts: TrainParts):
     if parts.config.training.precision == "bf16":
-        return torch.autocast(parts.world.device.type, dtype=torch.bfloat16)
+        return torch.autocast(parts.world.device.type, dtype=parts.config.training.dtype)
     return contextlib.nullcontext()
 
 

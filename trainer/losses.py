@@ -28,13 +28,20 @@ __all__ = [
     "flow_weights",
     "predict_velocity",
     "sample_sigmas",
+    "shift_sigmas",
 ]
+
+
+def shift_sigmas(s: Tensor, shift: float) -> Tensor:
+    """SD3's timestep shift, sigma = shift*s / (1 + (shift-1)*s): what training sigmas and sampling
+    schedules (`trainer.toy.model.sigma_schedule`) go through; shift 1 is the identity."""
+    return shift * s / (1 + (shift - 1) * s)
 
 
 def sample_sigmas(count: int, *, generator: torch.Generator, config: LossConfig) -> Tensor:
     """`(count,)` training sigmas: logit-normal(logit_mean, logit_std) pushed through the shift map."""
     s = torch.sigmoid(config.logit_mean + config.logit_std * torch.randn(count, generator=generator))
-    return config.shift * s / (1 + (config.shift - 1) * s)
+    return shift_sigmas(s, config.shift)
 
 
 def add_noise(x0: Tensor, noise: Tensor, sigmas: Tensor) -> Tensor:

@@ -7,7 +7,8 @@ unsharded blocks FSDP2 holds while computing, activations or, when larger, the A
 and a fixed runtime margin. Loading is a second peak: the trainer moves the fp32 model to the device
 before it casts or shards, so the plan is the larger of the two. The SD3.5 Medium figures were checked
 against a measured CPU training step (benchmarks/bench_memory_plan.py; within 2% at 256 px).
-`check_plan` adds the run's time estimate (`trainer.time_estimate`).
+`check_plan` adds the run's time estimate (`trainer.time_estimate`, which also defines the
+`ParamCounts` and `RunShape` both estimates read; `count_parameters` and `run_shape` make them).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from trainer.time_estimate import GPUS, TimeEstimate, estimate_time, find_gpu
+from trainer.time_estimate import GPUS, ParamCounts, RunShape, TimeEstimate, estimate_time, find_gpu
 
 if TYPE_CHECKING:
     from t5core.config import BaseArch
@@ -28,9 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MemoryPlan",
-    "ParamCounts",
     "PlanSettings",
-    "RunShape",
     "check_plan",
     "count_parameters",
     "plan_memory",
@@ -58,16 +57,6 @@ RUNTIME_MARGIN_GIB = 2.0
 """CUDA context, NCCL buffers and allocator fragmentation: a planning margin, not a measurement."""
 
 
-@dataclass(frozen=True, slots=True)
-class ParamCounts:
-    """Parameter counts of the converted model by role, and of one transformer block at most."""
-
-    trained: int
-    frozen: int
-    buffers: int
-    largest_block: int
-
-
 def count_parameters(handle: T5Handle, split: ParamSplit) -> ParamCounts:
     """The `ParamCounts` of a converted model whose parameters `split_parameters` has assigned roles.
 
@@ -82,21 +71,6 @@ def count_parameters(handle: T5Handle, split: ParamSplit) -> ParamCounts:
         buffers=sum(b.numel() for b in handle.model.buffers()),
         largest_block=max(sum(p.numel() for p in block.parameters()) for block in handle.model.transformer_blocks),
     )
-
-
-@dataclass(frozen=True, slots=True)
-class RunShape:
-    """What activations and FLOPs depend on: batch per rank, tokens, the model's width and depth, and
-    how many attention modules of each kind stay softmax (their cost grows with tokens squared)."""
-
-    batch_per_rank: int
-    image_tokens: int
-    text_tokens: int
-    hidden: int
-    depth: int
-    image_only_blocks: int = 0
-    softmax_joint: int = 0
-    softmax_image_only: int = 0
 
 
 def run_shape(

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from t5core.hosts.diffusers import T5Handle, arch_of, linearize
+from t5core.sd3_keys import diffusers_module
 from trainer.config import ModelConfig, OptimConfig
 from trainer.presets import get_preset
 from trainer.sources import PipelineFiles, find_text_parts, local_base
@@ -30,7 +31,9 @@ __all__ = [
     "find_pipeline_folder",
     "load_base",
     "make_teacher",
+    "shipped_config",
     "split_parameters",
+    "transformer_folder",
 ]
 
 logger = logging.getLogger(__name__)
@@ -50,7 +53,7 @@ def _check_class(config_file: Path) -> None:
         )
 
 
-def _transformer_folder(folder: Path) -> tuple[Path, str | None]:
+def transformer_folder(folder: Path) -> tuple[Path, str | None]:
     """The folder holding the transformer's config.json and the subfolder argument to load it."""
     if (folder / "transformer" / "config.json").is_file():
         return folder / "transformer", "transformer"
@@ -80,7 +83,7 @@ def _single_file_layout(path: Path) -> tuple[int, bool, bool]:
     return max(blocks) + 1, any(".attn2." in key for key in keys), any(".ln_q." in key for key in keys)
 
 
-def _shipped_config(path: Path) -> Path:
+def shipped_config(path: Path) -> Path:
     depth, dual, qk_norm = _single_file_layout(path)
     for folder in sorted(CONFIGS_DIR.iterdir()):
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -113,18 +116,18 @@ def load_base(config: ModelConfig) -> nn.Module:
 
     path = local_base(config)
     if path.is_dir():
-        folder, subfolder = _transformer_folder(path)
+        folder, subfolder = transformer_folder(path)
         _check_class(folder / "config.json")
         model = SD3Transformer2DModel.from_pretrained(
             str(path), subfolder=subfolder, local_files_only=True, torch_dtype=torch.float32
         )
     elif path.suffix == ".safetensors":
         if config.config:
-            config_folder, subfolder = _transformer_folder(Path(config.config).expanduser())
+            config_folder, subfolder = transformer_folder(Path(config.config).expanduser())
             _check_class(config_folder / "config.json")
             _single_file_layout(path)
         else:
-            config_folder, subfolder = _shipped_config(path), None
+            config_folder, subfolder = shipped_config(path), None
         model = SD3Transformer2DModel.from_single_file(
             str(path),
             config=str(config_folder.parent if subfolder else config_folder),
@@ -151,7 +154,7 @@ def _base_files(config: ModelConfig) -> list[Path]:
     if preset is not None:
         return [path for path in preset.weight_files().values() if path.suffix == ".safetensors"]
     path = local_base(config)
-    return sorted(_transformer_folder(path)[0].glob("*.safetensors")) if path.is_dir() else [path]
+    return sorted(transformer_folder(path)[0].glob("*.safetensors")) if path.is_dir() else [path]
 
 
 def base_checkpoint_dtype(config: ModelConfig) -> torch.dtype:
@@ -224,7 +227,7 @@ class ParamSplit:
 
 def _dead_parameters(handle: T5Handle) -> set[str]:
     """The last block's text-query path: its text outputs are discarded, so these get zero gradient."""
-    last = f"transformer_blocks.{handle.arch.depth - 1}.attn."
+    last = diffusers_module(f"blocks.{handle.arch.depth - 1}.attn") + "."
     return {last + name for name in ("add_q_proj.weight", "add_q_proj.bias", "norm_added_q.weight")}
 
 
@@ -237,7 +240,7 @@ def split_parameters(handle: T5Handle, model: ModelConfig, optim: OptimConfig) -
     path is always frozen, so DDP needs no unused-parameter search.
     """
     new_ids = {id(p) for p in handle.t5_parameters()}
-    converted = tuple(f"transformer_{name}." for name in handle.modules)
+    converted = tuple(diffusers_module(name) + "." for name in handle.modules)
     dead = _dead_parameters(handle)
     new, inherited, frozen = [], [], []
     for name, param in handle.model.named_parameters():

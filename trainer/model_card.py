@@ -16,10 +16,9 @@ from typing import Any
 
 from trainer.cli import config_to_toml
 from trainer.config import ModelConfig, TrainConfig
-from trainer.model import _transformer_folder
+from trainer.model import transformer_folder
 from trainer.presets import get_preset
 from trainer.sources import local_base
-from trainer.toy.report import comparison_table
 
 __all__ = ["RUN_CARD", "base_digests", "card_name", "model_card", "sha256_file"]
 
@@ -62,7 +61,7 @@ def base_digests(config: ModelConfig) -> dict[str, str]:
         if path.is_file():
             files = {path.name: path}
         else:
-            folder, subfolder = _transformer_folder(path)
+            folder, subfolder = transformer_folder(path)
             weights = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
             files = {"/".join(filter(None, (subfolder, p.name))): p for p in weights}
     return {name: sha256_file(file) for name, file in sorted(files.items())}
@@ -152,18 +151,12 @@ def _training_section(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _validation_section(report: Mapping[str, Any]) -> list[str]:
-    lines = ["## Validation", ""]
-    toy = report.get("toy_eval")
-    if not toy:
-        return [*lines, "None ran in this run (ToyEval runs for the toy only); compare samples with the base model."]
-    lines += [
-        "ToyEval of the softmax teacher and the trained T5 student, same captions and noise (higher is better; "
-        "val loss and distance lower):",
-        "",
-        comparison_table(toy),
-    ]
-    return lines
+def _validation_section(config: TrainConfig, report: Mapping[str, Any]) -> list[str]:
+    preset = get_preset(config.model.base)
+    evaluation = report.get(preset.evaluation_name) if preset is not None else None
+    if not evaluation:
+        return ["## Validation", "", "None ran in this run; compare samples with the base model."]
+    return ["## Validation", "", *preset.card_section(evaluation)]
 
 
 def _usage_section(config: TrainConfig, report: Mapping[str, Any], weights_name: str) -> list[str]:
@@ -197,7 +190,8 @@ def model_card(config: TrainConfig, report: Mapping[str, Any], *, weights_name: 
     Args:
         config: the run's resolved config.
         report: the run report (`report.json`): `step`, `stop_reason`, `last_step`, `processes`,
-            `parameters`, and when present `converted_layers`, `base_sha256` and `toy_eval`.
+            `parameters`, and when present `converted_layers`, `base_sha256` and the base preset's
+            evaluation (under its `evaluation_name`).
         weights_name: the weights file's name (`--output.name`).
 
     Returns:
@@ -215,7 +209,7 @@ def model_card(config: TrainConfig, report: Mapping[str, Any], *, weights_name: 
         _conversion_section(config, report),
         _recipe_section(config, report),
         _training_section(report),
-        _validation_section(report),
+        _validation_section(config, report),
         _usage_section(config, report, weights_name),
     )
     return "\n\n".join("\n".join(section) for section in sections) + "\n"

@@ -28,8 +28,9 @@ from t5core.atomic import write_text_atomic
 from trainer.cache import MANIFEST, UNCOND, shard_name, write_manifest, write_tensors
 from trainer.config import DataConfig
 from trainer.data import Batch
-from trainer.distributed import World, derived_seed
+from trainer.distributed import World
 from trainer.prompt_set import default_prompts
+from trainer.seeds import derived_seed
 from trainer.sources import PipelineFiles
 
 __all__ = ["IMAGE_SUFFIXES", "bucket_sizes", "nearest_bucket", "prepare_images", "prepare_prompts"]

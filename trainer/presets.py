@@ -1,19 +1,21 @@
 """Built-in base models the trainer knows by name (`--model.base toy`), registered as torchtitan
-registers its models.
+registers its models, and the checks of a config against them.
 
 A preset supplies what a base otherwise gets from files: the softmax model, its own training data,
-its evaluation, the weight files the model card hashes and a note for the card. The trainer looks a
-base up here and uses what it finds; it never compares base names itself. Built-in presets are
-imported on first lookup (`get_preset`, or `preset_data_sources` when a config is checked).
+its evaluation with the name of its numbers in the run report and its section of the model card,
+the weight files the card hashes and a note for the card. The trainer looks a base up here and uses
+what it finds; it never compares base names itself. Built-in presets are imported on first lookup
+(`get_preset`, or `preset_data_sources` when `check_config` runs).
 
     register_preset(ModelPreset(name="my-toy", ...))
     preset = get_preset(config.model.base)        # None for files, folders and Hub repo ids
+    check_config(config)                          # what `trainer.cli.parse_args` and `trainer.train.run` call
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,10 +23,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
-    from trainer.config import DataConfig
+    from trainer.config import DataConfig, TrainConfig
     from trainer.data import Source
+    from trainer.distributed import World
 
-__all__ = ["ModelPreset", "get_preset", "preset_data_sources", "register_preset"]
+__all__ = ["ModelPreset", "check_config", "get_preset", "preset_data_sources", "register_preset"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +42,12 @@ class ModelPreset:
         weight_files (`Callable[[], dict[str, Path]]`): file name -> path of its weights (hashed on the card).
         build_source (`Callable[[DataConfig], Source]`): its training data (at its own default size
             when `--data.resolution` is 0).
-        evaluate (`Callable`): `evaluate(student, output, world, samples=, sharded=, progress=)` -> numbers for
-            the run report, or None when skipped.
+        evaluate (`Callable[[nn.Module, TrainConfig, Path, World], dict | None]`): `evaluate(student,
+            config, output, world)` after training, on every rank -> its numbers for the run report (None
+            when skipped); it may write files into the run folder `output`.
+        evaluation_name (`str`): the run report's key for those numbers (`report.json`).
+        card_section (`Callable[[Mapping[str, Any]], list[str]]`): the model card's validation text
+            (markdown lines) for those numbers.
         card_note (`str`): a closing line for the model card (how to sample it).
     """
 
@@ -50,7 +57,9 @@ class ModelPreset:
     load_base: Callable[[], nn.Module]
     weight_files: Callable[[], dict[str, Path]]
     build_source: Callable[[DataConfig], Source]
-    evaluate: Callable[..., dict[str, Any] | None]
+    evaluate: Callable[[nn.Module, TrainConfig, Path, World], dict[str, Any] | None]
+    evaluation_name: str
+    card_section: Callable[[Mapping[str, Any]], list[str]]
     card_note: str = ""
 
 
@@ -80,3 +89,26 @@ def preset_data_sources() -> frozenset[str]:
     for name in _BUILTIN:
         get_preset(name)
     return frozenset(preset.data_source for preset in _REGISTRY.values())
+
+
+def check_config(config: TrainConfig) -> None:
+    """Check a config against the registered presets and the data sources: the checks that span
+    sections and registries (each section checks its own fields when it is built).
+
+    Raises:
+        ValueError: names the flag to change: a preset base with another data source, a preset's
+            data source with another base, or a source that reads a path without one.
+    """
+    preset, source, owned = get_preset(config.model.base), config.data.source, preset_data_sources()
+    if source != "prompts" and source not in owned and not config.data.path:
+        raise ValueError(f"--data.path: source {source!r} needs a path.")
+    if preset is not None and source != preset.data_source:
+        raise ValueError(
+            f"--data.source: the {preset.name} base trains on its own data, --data.source {preset.data_source}; "
+            f"got --data.source {source!r}."
+        )
+    if preset is None and source in owned:
+        raise ValueError(
+            f"--data.source: --data.source {source!r} belongs to a built-in model; --model.base "
+            f"{config.model.base!r} trains on `images`, `prompts` or a `cache`."
+        )

@@ -18,18 +18,12 @@ if __package__ in (None, ""):
     # Run as a script: make the repository importable without installing it.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.cli import _parse_bool
+from trainer.cli import add_flags
 from trainer.config import OutputConfig
 from trainer.hub import HubError, hub_target, push_to_hub
 from trainer.model_card import RUN_CARD
 
 PROG = "trainer/push.py"
-_FLAGS = {
-    "dir": (str, "DIR"),
-    "name": (str, "NAME"),
-    "push_to_hub": (str, "REPO"),
-    "hub_private": (_parse_bool, "BOOL"),
-}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,20 +32,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Upload the weights file and model card (README.md) of a run folder to a Hub repo, in one commit.",
         allow_abbrev=False,
     )
-    defaults = OutputConfig()
-    for name, (parse, metavar) in _FLAGS.items():
-        default = getattr(defaults, name)
-        required = name == "push_to_hub"
-        help_text = "the Hub repo (`namespace/name`)" if required else f"as for trainer/run.py (default: {default})"
-        parser.add_argument(
-            f"--output.{name}",
-            dest=name,
-            type=parse,
-            default=default,
-            required=required,
-            metavar=metavar,
-            help=help_text,
-        )
+    add_flags(
+        parser,
+        OutputConfig,
+        section="output",
+        only=("dir", "name", "push_to_hub", "hub_private"),
+        required=("push_to_hub",),
+    )
     return parser
 
 
@@ -83,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
-    args = _parser().parse_args(argv)
+    given = {flag.removeprefix("output."): value for flag, value in vars(_parser().parse_args(argv)).items()}
     try:
-        url = push_run(OutputConfig(**vars(args)))
+        url = push_run(OutputConfig(**given))
     except (FileNotFoundError, PermissionError, ValueError, HubError) as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2

@@ -1,18 +1,50 @@
 """The time estimate of a run: the matmul and attention FLOPs of a step over a GPU's dense bf16 peak
 at an assumed utilisation. A planning figure, never a measurement; `trainer.memory.check_plan`
-prints it beside the memory plan.
+prints it beside the memory plan. `ParamCounts` and `RunShape`, what the time and the memory
+estimates read, are defined here (`trainer.memory` builds them from a model).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from trainer.memory import ParamCounts, RunShape
+__all__ = [
+    "ASSUMED_UTILISATION",
+    "GPUS",
+    "GpuSpec",
+    "ParamCounts",
+    "RunShape",
+    "TimeEstimate",
+    "estimate_time",
+    "find_gpu",
+    "step_flops",
+]
 
-__all__ = ["ASSUMED_UTILISATION", "GPUS", "GpuSpec", "TimeEstimate", "estimate_time", "find_gpu", "step_flops"]
+
+@dataclass(frozen=True, slots=True)
+class ParamCounts:
+    """Parameter counts of the converted model by role, and of one transformer block at most."""
+
+    trained: int
+    frozen: int
+    buffers: int
+    largest_block: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunShape:
+    """What activations and FLOPs depend on: batch per rank, tokens, the model's width and depth, and
+    how many attention modules of each kind stay softmax (their cost grows with tokens squared)."""
+
+    batch_per_rank: int
+    image_tokens: int
+    text_tokens: int
+    hidden: int
+    depth: int
+    image_only_blocks: int = 0
+    softmax_joint: int = 0
+    softmax_image_only: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,11 +21,12 @@ from torch import nn
 
 from t5core.atomic import write_text_atomic
 from t5core.hosts.diffusers import T5Handle
+from t5core.sd3_keys import diffusers_module
 from trainer.checkpoint import CheckpointManager
 from trainer.cli import config_from_toml_text, config_to_toml, save_config
 from trainer.config import TrainConfig
 from trainer.data import BatchPlan, Source
-from trainer.distributed import World, init_world, rank_seed, seed_everything
+from trainer.distributed import World, init_world
 from trainer.export import ComfyTarget, comfyui_target, export_weights, install_in_comfyui, write_report
 from trainer.hub import HubTarget, hub_target, push_to_hub
 from trainer.loop import TrainParts, train_loop
@@ -44,7 +45,8 @@ from trainer.model import (
 from trainer.model_card import RUN_CARD, base_digests, model_card
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import apply_activation_checkpointing, apply_ddp, apply_fsdp, store_frozen_in
-from trainer.presets import get_preset
+from trainer.presets import check_config, get_preset
+from trainer.seeds import rank_seed, seed_everything
 
 __all__ = ["RunAlreadyFinished", "RunResult", "run"]
 
@@ -267,12 +269,14 @@ def run(config: TrainConfig) -> RunResult:
     """Fine-tune, checkpoint and export as `config` says; one process or one rank of a torchrun world.
 
     Raises:
-        FileNotFoundError / ValueError / TypeError: a missing or unsuitable base, data or setting.
+        FileNotFoundError / ValueError / TypeError: a missing or unsuitable base, data or setting (the
+            config is checked with `trainer.presets.check_config` first).
         PermissionError: the output folder is not writable.
         RuntimeError: the memory plan does not fit, or the machine cannot run a requested feature.
         trainer.hub.HubError: `--output.push_to_hub` cannot reach the Hub, or the upload failed (the run's files
             stay, and the message gives the command that retries the upload).
     """
+    check_config(config)
     threads = torch.get_num_threads()
     if config.training.threads:
         torch.set_num_threads(config.training.threads)
@@ -308,8 +312,7 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     base_dtype = torch.float32 if config.output.base_dtype == "fp32" else base_checkpoint_dtype(config.model)
     source = _build_source(config, base, world, output)
     plan = BatchPlan(source.buckets(), batch_size=config.training.batch_size, seed=config.training.seed)
-    compute_dtype = torch.bfloat16 if config.training.precision == "bf16" else torch.float32
-    teacher = make_teacher(base, dtype=compute_dtype) if config.loss.needs_teacher else None
+    teacher = make_teacher(base, dtype=config.training.dtype) if config.loss.needs_teacher else None
     handle = build_student(base, config.model)
     if config.loss.feature_weight > 0 and not handle.modules:
         raise ValueError("--loss.feature_weight aligns converted modules, but --model.layers converts none.")
@@ -326,16 +329,16 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     if teacher is not None:
         teacher.to(world.device)
         if config.loss.feature_weight > 0:
-            names = [f"transformer_{name}" for name in handle.modules]
+            names = [diffusers_module(name) for name in handle.modules]
             captures = (AttentionCapture(student, names), AttentionCapture(teacher, names))
     if config.training.gradient_checkpointing:
         apply_activation_checkpointing(student)
     if config.parallel.mode == "ddp":
         if config.training.precision == "bf16":
-            store_frozen_in(student, torch.bfloat16)
+            store_frozen_in(student, config.training.dtype)
         model = apply_ddp(student, world)
     else:
-        param_dtype = torch.bfloat16 if config.training.precision == "bf16" else None
+        param_dtype = config.training.dtype if config.training.precision == "bf16" else None
         model = apply_fsdp(student, param_dtype=param_dtype)
         if teacher is not None:
             apply_fsdp(teacher, param_dtype=param_dtype, name="teacher")
@@ -392,18 +395,8 @@ def _run(config: TrainConfig, world: World) -> RunResult:
         "base_dtype": str(base_dtype).removeprefix("torch."),
     }
     export_weights(weights, handle, split, world, provenance=provenance, base_dtype=base_dtype)
-    toy_eval = None
     preset = get_preset(config.model.base)
-    if preset is not None:
-        sharded = config.parallel.mode == "fsdp2"
-        toy_eval = preset.evaluate(
-            handle.model,
-            output,
-            world,
-            samples=config.output.toy_eval_samples,
-            sharded=sharded,
-            progress=config.output.progress,
-        )
+    evaluation = preset.evaluate(handle.model, config, output, world) if preset is not None else None
     report = {
         "step": result.step,
         "stop_reason": result.stop_reason,
@@ -417,7 +410,7 @@ def _run(config: TrainConfig, world: World) -> RunResult:
         "memory_plan_gib": {k: round(v, 3) for k, v in memory.components.items()},
         "parameters": {"new": len(split.new), "inherited": len(split.inherited), "frozen": len(split.frozen)},
         "converted_layers": list(handle.modules),
-        **({"toy_eval": toy_eval} if toy_eval else {}),
+        **({preset.evaluation_name: evaluation} if evaluation else {}),
     }
     _on_main(world, lambda: _publish(config, report, weights, comfyui, hub))
     # Leave together: a rank that tears down its process group while rank 0 still writes can abort gloo.

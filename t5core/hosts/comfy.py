@@ -153,7 +153,8 @@ def _plan_base(prepared: Prepared, stored: Callable[[], Mapping[str, _Stored]], 
     for key, tensor in prepared.base.items():
         owner_name, _, attribute = key.rpartition(".")
         # this clone's module: another clone's object patch may be installed in the live model
-        owner = model_patcher.get_model_object(f"diffusion_model.{owner_name}")
+        # a top-level tensor (pos_embed) is owned by the diffusion model itself
+        owner = model_patcher.get_model_object(f"diffusion_model.{owner_name}" if owner_name else "diffusion_model")
         if hasattr(owner, "comfy_cast_weights"):
             delta = tensor.to(torch.float32) - stored()[key].value()
             plan.weight_patches[f"diffusion_model.{key}"] = ("diff", (delta,))

@@ -22,11 +22,11 @@ from torch.utils.hooks import RemovableHandle
 
 from t5core.attention import T5Attention
 from t5core.config import BaseArch, T5Config
-from t5core.convert import diffusers_module, prepare
-from t5core.hybrid import JointMode, Merge
+from t5core.convert import prepare
 from t5core.hosts.diffusers_runtime import T5AttnProcessor, drop_grid_hook, grid_hook
+from t5core.hybrid import JointMode, Merge
 from t5core.layers import LayerSpec, resolve_layers
-from t5core.sd3_keys import diffusers_to_sd3, sd3_to_diffusers
+from t5core.sd3_keys import diffusers_module, diffusers_to_sd3, layer_name, sd3_to_diffusers
 from t5core.weights import T5Weights
 
 __all__ = ["T5AttnProcessor", "T5Handle", "arch_of", "converted_layers", "linearize"]
@@ -61,7 +61,7 @@ def converted_layers(transformer: nn.Module) -> tuple[str, ...]:
     """The layers a `linearize`d transformer runs as T5 attention (`blocks.3.attn`); () for any other model."""
     processors = getattr(transformer, "attn_processors", {})
     return tuple(
-        name.removeprefix("transformer_").removesuffix(".processor")
+        layer_name(name.removesuffix(".processor"))
         for name, processor in processors.items()
         if isinstance(processor, T5AttnProcessor)
     )

@@ -5,7 +5,7 @@ import torch
 from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
 
 from t5core.hosts.diffusers import arch_of
-from t5core.sd3_keys import diffusers_to_sd3, sd3_to_diffusers
+from t5core.sd3_keys import diffusers_module, diffusers_to_sd3, layer_name, sd3_to_diffusers
 from testing.models import tiny_transformer
 
 PRESETS = ["sd35_medium_like", "sd35_large_like", "sd3_like"]
@@ -40,3 +40,11 @@ def test_a_partial_qkv_is_refused_and_unknown_names_are_named():
         diffusers_to_sd3({"transformer_blocks.0.attn.to_q.weight": torch.zeros(1)}, arch)
     with pytest.raises(ValueError, match="joint_blocks.9.x_block.attn.qkv.weight"):
         sd3_to_diffusers({"joint_blocks.9.x_block.attn.qkv.weight": torch.zeros(3)}, arch)
+
+
+def test_layer_names_are_the_diffusers_module_paths_without_their_prefix():
+    model = tiny_transformer("sd35_medium_like")
+    modules = dict(model.named_modules())
+    for layer in ("blocks.0.attn", "blocks.0.attn2", "blocks.1.attn"):
+        assert diffusers_module(layer) in modules and layer_name(diffusers_module(layer)) == layer
+    assert layer_name("transformer_blocks.3.attn2") == "blocks.3.attn2"

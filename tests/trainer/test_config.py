@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from trainer.cli import build_parser, config_from_toml_text, config_to_toml, parse_args, save_config
-from trainer.config import TrainConfig
+from trainer.config import DataConfig, TrainConfig
+from trainer.train import run
 
 
 def test_defaults_are_the_toy_preset():
@@ -109,3 +113,22 @@ def test_shipped_recipes_parse(name, mode):
     config = parse_args(["--config", str(path), "--model.base", "/models/sd", "--data.path", "/data/images"])
     assert (config.parallel.mode, config.training.precision, config.model.layers) == (mode, "bf16", "paper")
     assert config.optim.new_lr_mult == 10.0 and config.optim.inherited_lr_mult == 0.1
+
+
+def test_a_config_is_built_without_the_rest_of_the_trainer():
+    code = (
+        "import sys; from trainer.config import DataConfig, TrainConfig;"
+        "TrainConfig(data=DataConfig(source='images'));"
+        "print(sorted(m for m in sys.modules if m.startswith('trainer')))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root).stdout
+    assert out.strip() == "['trainer', 'trainer.config']"
+
+
+def test_run_checks_a_config_it_was_handed_before_any_work(tmp_path):
+    config = TrainConfig(data=DataConfig(source="cache", path=str(tmp_path / "cache")))
+    config.output.dir = str(tmp_path / "out")
+    with pytest.raises(ValueError, match=r"--data.source: the toy base trains on its own data"):
+        run(config)
+    assert not (tmp_path / "out").exists()

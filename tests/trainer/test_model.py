@@ -12,7 +12,7 @@ from t5core.hosts.diffusers import arch_of
 from t5core.sd3_keys import diffusers_to_sd3
 from testing.trainer_assets import trainer_transformer, write_base
 from trainer.config import ModelConfig
-from trainer.model import CONFIGS_DIR, _shipped_config, base_checkpoint_dtype, load_base
+from trainer.model import CONFIGS_DIR, base_checkpoint_dtype, load_base, shipped_config
 
 PREFIX = "model.diffusion_model."
 
@@ -68,7 +68,7 @@ def _layout_file(path, depth, dual, qk_norm):
     ],
 )
 def test_shipped_config_is_chosen_by_layout(tmp_path, depth, dual, qk_norm, expected):
-    assert _shipped_config(_layout_file(tmp_path / "m.safetensors", depth, dual, qk_norm)).name == expected
+    assert shipped_config(_layout_file(tmp_path / "m.safetensors", depth, dual, qk_norm)).name == expected
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,17 @@ import logging
 import pytest
 
 from trainer.config import TrainConfig
-from trainer.memory import ParamCounts, RunShape, check_plan
-from trainer.time_estimate import GPUS, GpuSpec, TimeEstimate, estimate_time, find_gpu, step_flops
+from trainer.memory import check_plan
+from trainer.time_estimate import (
+    GPUS,
+    GpuSpec,
+    ParamCounts,
+    RunShape,
+    TimeEstimate,
+    estimate_time,
+    find_gpu,
+    step_flops,
+)
 
 COUNTS = ParamCounts(trained=600_000_000, frozen=1_700_000_000, buffers=200_000_000, largest_block=90_000_000)
 SHAPE = RunShape(batch_per_rank=4, image_tokens=4096, text_tokens=333, hidden=1536, depth=24)

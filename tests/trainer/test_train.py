@@ -10,10 +10,10 @@ import torch
 from t5core.hosts.diffusers import linearize
 from testing.trainer_assets import RECIPE_FLAGS, write_base, write_cache
 from trainer.cli import parse_args
-from trainer.distributed import seed_everything
 from trainer.losses import add_noise
 from trainer.metrics import read_metrics
 from trainer.model import build_student, load_base
+from trainer.seeds import seed_everything
 from trainer.train import run
 
 

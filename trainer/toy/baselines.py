@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from t5core.sd3_keys import diffusers_module
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["PlainLinearAttention", "reinit_inherited"]
@@ -67,7 +69,7 @@ def reinit_inherited(transformer: nn.Module, names: tuple[str, ...], *, seed: in
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for name in names:
-            attn = transformer.get_submodule("transformer_" + name)
+            attn = transformer.get_submodule(diffusers_module(name))
             linears = [getattr(attn, p, None) for p in _INHERITED] + [attn.to_out[0]]
             for linear in linears:
                 if linear is not None:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from t5core.config import BaseArch
 from t5core.sd3_keys import sd3_to_diffusers
-from trainer.losses import predict_velocity
+from trainer.losses import predict_velocity, shift_sigmas
 from trainer.toy.data import IMAGE_SIZE, JOINT_ATTENTION_DIM, LATENT_CHANNELS, POOLED_DIM, embed_captions
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ def sigma_schedule(steps: int, *, shift: float = TOY_SHIFT) -> Tensor:
     if steps < 1:
         raise ValueError(f"steps must be at least 1; got {steps}.")
     s = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
-    return (shift * s / (1 + (shift - 1) * s)).float()
+    return shift_sigmas(s, shift).float()
 
 
 @torch.no_grad()

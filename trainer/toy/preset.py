@@ -1,4 +1,5 @@
-"""The toy as a trainer model preset (`--model.base toy`): its model, data source and evaluation.
+"""The toy as a trainer model preset (`--model.base toy`): its model, data source, evaluation (ToyEval)
+and model-card section.
 
 Importing this module registers the preset (`trainer.presets`); the trainer imports it the first
 time it looks the name up.
@@ -7,20 +8,21 @@ time it looks the name up.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from trainer.config import DataConfig
+from trainer.config import DataConfig, TrainConfig
 from trainer.data import Batch
 from trainer.distributed import World
 from trainer.presets import ModelPreset, register_preset
 from trainer.toy import data as toy_data
 from trainer.toy.model import TOY_SHIFT, WEIGHTS_FILE, load_toy_base
 
-__all__ = ["TOY_PRESET", "ToySource", "evaluate_toy"]
+__all__ = ["TOY_PRESET", "ToySource", "card_section", "evaluate_toy"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,25 +51,24 @@ class ToySource:
         return context[0], pooled[0]
 
 
-def evaluate_toy(
-    student: nn.Module, output: Path, world: World, *, samples: int, sharded: bool, progress: bool = False
-) -> dict[str, Any] | None:
-    """ToyEval of the softmax teacher and the trained student on rank 0: `toy_eval.md` and `grid.png`
-    (teacher rows above student rows, same captions and noise) in the run folder, and the numbers
-    for the run report (None when skipped).
+def evaluate_toy(student: nn.Module, config: TrainConfig, output: Path, world: World) -> dict[str, Any] | None:
+    """ToyEval of the softmax teacher and the trained student on rank 0 (`--output.toy_eval_samples`
+    captions): `toy_eval.md` and `grid.png` (teacher rows above student rows, same captions and noise)
+    in the run folder, and the numbers for the run report (None when skipped).
 
     A model sharded over several processes (FSDP2) cannot run on rank 0 alone; then the
     evaluation is skipped with a note, and the exported file can be evaluated instead.
     """
+    samples = config.output.toy_eval_samples
     if samples == 0 or not world.is_main:
         return None
-    if sharded and world.world_size > 1:
+    if config.parallel.mode == "fsdp2" and world.world_size > 1:
         logger.info("ToyEval skipped: the student is sharded over %d processes (FSDP2)", world.world_size)
         return None
     from trainer.toy.report import compare, write_grid
 
     student.eval()
-    comparison = compare(load_toy_base().to(world.device), student, count=samples, progress=progress)
+    comparison = compare(load_toy_base().to(world.device), student, count=samples, progress=config.output.progress)
     (output / "toy_eval.md").write_text(comparison.table() + "\n", encoding="utf-8")
     write_grid(output / "grid.png", comparison)
     logger.info(
@@ -78,6 +79,18 @@ def evaluate_toy(
         output / "grid.png",
     )
     return comparison.as_dict()
+
+
+def card_section(evaluation: Mapping[str, Any]) -> list[str]:
+    """The model card's validation text for `evaluate_toy`'s numbers: the teacher vs student table."""
+    from trainer.toy.report import comparison_table
+
+    return [
+        "ToyEval of the softmax teacher and the trained T5 student, same captions and noise (higher is better; "
+        "val loss and distance lower):",
+        "",
+        comparison_table(evaluation),
+    ]
 
 
 def _source(data: DataConfig) -> ToySource:
@@ -93,6 +106,8 @@ TOY_PRESET = register_preset(
         weight_files=lambda: {WEIGHTS_FILE.name: WEIGHTS_FILE},
         build_source=_source,
         evaluate=evaluate_toy,
+        evaluation_name="toy_eval",
+        card_section=card_section,
         card_note=f"The toy model samples with `ModelSamplingSD3` shift {TOY_SHIFT} and its own captions; "
         "see docs/toy.md.",
     )

@@ -5,7 +5,7 @@
 
 It trains a fresh toy MMDiT on freshly drawn batches with the trainer's parts: the flow-matching loss
 (`trainer.toy.eval.batch_loss` on `trainer.losses`), the warm-up + cosine schedule
-(`trainer.optim.build_scheduler`), the seed streams (`trainer.distributed.derived_seed`: each step's
+(`trainer.optim.build_scheduler`), the seed streams (`trainer.seeds.derived_seed`: each step's
 batch, noise and sigmas are fixed by the seed, so a run is reproducible) and the progress bar. It keeps
 an EMA of the weights, writes the EMA weights in SD3
 checkpoint naming (fp16, atomically) with `config.json` beside them, reloads that file and records
@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 
 from t5core.sd3_keys import diffusers_to_sd3
+from trainer.cli import add_flags
 from trainer.config import OptimConfig
-from trainer.distributed import derived_seed
 from trainer.metrics import Progress
 from trainer.optim import build_scheduler
+from trainer.seeds import derived_seed
 from trainer.toy._io import write_json_atomic, write_safetensors_atomic
 from trainer.toy.data import make_batch
 from trainer.toy.eval import batch_loss, eval_set, sample_hits, toy_eval, validation_loss
@@ -41,33 +42,30 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PretrainConfig:
-    """The teacher's recipe (recorded next to the weights).
-
-    Parameters:
-        steps (`int`, defaults to 2000): optimizer steps, one fresh batch each.
-        batch_size (`int`, defaults to 32): samples per step.
-        lr (`float`, defaults to 1e-3): AdamW peak learning rate (linear warm-up, cosine to 10 %).
-        warmup (`int`, defaults to 100): warm-up steps.
-        ema (`float`, defaults to 0.998): EMA decay of the shipped weights.
-        drop_text (`float`, defaults to 0.1): caption dropout, for classifier-free guidance.
-        seed (`int`, defaults to 0): fixes the initialisation, every batch, noise and sigma.
-        dtype (`"float16" | "bfloat16"`, defaults to "float16"): dtype of the shipped file.
-        eval_count (`int`, defaults to 180): ToyEval samples (each caption once).
-        eval_steps (`int`, defaults to 20): Euler steps for ToyEval.
-        eval_cfg (`float`, defaults to 3.0): guidance scale for ToyEval.
-    """
+    """The teacher's recipe (recorded next to the weights); each field is a flag (`--batch-size`)."""
 
     steps: int = 2000
+    """Optimizer steps, one fresh batch each."""
     batch_size: int = 32
+    """Samples per step."""
     lr: float = 1e-3
+    """AdamW peak learning rate (linear warm-up, cosine to 10 %)."""
     warmup: int = 100
+    """Warm-up steps."""
     ema: float = 0.998
+    """EMA decay of the shipped weights."""
     drop_text: float = 0.1
+    """Caption dropout, for classifier-free guidance."""
     seed: int = 0
+    """Fixes the initialisation, every batch, noise and sigma."""
     dtype: str = "float16"
+    """Dtype of the shipped file: `float16` or `bfloat16`."""
     eval_count: int = 180
+    """ToyEval samples (each caption once)."""
     eval_steps: int = 20
+    """Euler steps for ToyEval."""
     eval_cfg: float = 3.0
+    """Guidance scale for ToyEval."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
@@ -152,20 +150,19 @@ def record_teacher(path: Path | str, cfg: PretrainConfig, *, train_seconds: floa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    defaults = PretrainConfig()
-    for name, value in asdict(defaults).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    add_flags(parser, PretrainConfig)
     parser.add_argument("--out", type=Path, default=WEIGHTS_FILE, help="where to write the teacher (SD3 naming)")
     parser.add_argument(
         "--record-only",
         action="store_true",
         help="skip training; re-measure the existing --out file and rewrite its record",
     )
-    args = parser.parse_args(argv)
+    given = vars(parser.parse_args(argv))
+    out, record_only = given.pop("out"), given.pop("record_only")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = PretrainConfig(**{k: getattr(args, k) for k in asdict(defaults)})
-    if args.record_only:
-        previous = load_toy_record(args.out.with_suffix(".json"))
+    cfg = PretrainConfig(**given)
+    if record_only:
+        previous = load_toy_record(out.with_suffix(".json"))
         evaluation = {k: v for k, v in asdict(cfg).items() if k.startswith("eval_")}
         cfg = PretrainConfig(**{**previous["recipe"], **evaluation})
         seconds, final_loss = previous["train_seconds"], previous["final_train_loss"]
@@ -173,13 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         teacher, final_loss = train_teacher(cfg)
         seconds = time.perf_counter() - start
-        export_teacher(teacher, args.out, cfg)
-    record = record_teacher(args.out, cfg, train_seconds=seconds, final_loss=final_loss)
+        export_teacher(teacher, out, cfg)
+    record = record_teacher(out, cfg, train_seconds=seconds, final_loss=final_loss)
     score = record["toyeval"]
     print(
         f"teacher: {cfg.steps} steps in {seconds:.0f} s; ToyEval overall {score['overall']:.3f} "
         f"(color {score['color']:.3f}, shape {score['shape']:.3f}, position {score['position']:.3f}, "
-        f"size {score['size']:.3f}); val loss {record['val_loss']:.4f}; wrote {args.out}"
+        f"size {score['size']:.3f}); val loss {record['val_loss']:.4f}; wrote {out}"
     )
     return 0
 
