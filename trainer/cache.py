@@ -1,10 +1,12 @@
-"""The prepared-data cache: sharded safetensors written once, read by `CacheSource`.
+"""The prepared-data cache: sharded safetensors written once (`trainer.prepare`), read by `CacheSource`.
 
 A cache folder holds `shard-{i:05d}.safetensors` files, each of one latent size (aspect bucket) with
-`latents (n, C, h, w)`, `context (n, T, J)` and `pooled (n, P)`; `uncond.safetensors` with the empty
-caption's conditioning (for caption dropout); and `manifest.json`, written last, listing the shards
-and what was skipped. Every file is written to a temp name and renamed, so an interrupted
-preparation resumes shard by shard and a folder without a manifest is never read as complete.
+`latents (n, C, h, w)`, `context (n, T, J)` and `pooled (n, P)` and metadata (`latent_hw`, `pixel_wh`,
+`count`, `skipped`); `plan.json`, what the shards are planned to hold; `uncond.safetensors` with the
+empty caption's conditioning (for caption dropout); and `manifest.json`, written last, listing the
+shards and what was skipped. Every file is written to a temp name and renamed, so an interrupted
+preparation resumes shard by shard and a folder without a manifest is never read as complete. This
+module owns the format: the writers below and the reader are its only users.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -22,13 +24,29 @@ from torch import Tensor
 from t5core.atomic import write_atomic, write_text_atomic
 from trainer.data import Batch
 
-__all__ = ["CACHE_FORMAT", "MANIFEST", "CacheSource", "shard_name", "write_manifest", "write_tensors"]
+if TYPE_CHECKING:
+    from trainer.distributed import World
+
+__all__ = [
+    "CACHE_FORMAT",
+    "MANIFEST",
+    "PLAN",
+    "UNCOND",
+    "CacheSource",
+    "check_plan",
+    "finish_cache",
+    "shard_name",
+    "write_manifest",
+    "write_shard",
+    "write_tensors",
+]
 
 logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = "t5-trainer-cache/1"
 MANIFEST = "manifest.json"
 UNCOND = "uncond.safetensors"
+PLAN = "plan.json"
 _OPEN_SHARDS = 4
 """Shards kept in memory by a reader (a global batch comes from one bucket, so one is usually enough)."""
 
@@ -47,6 +65,66 @@ def write_tensors(path: Path, batch: Batch, *, metadata: dict[str, str] | None =
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> Path:
     """Write `manifest.json` atomically: the mark that the cache is complete."""
     return write_text_atomic(folder / MANIFEST, json.dumps({"format": CACHE_FORMAT, **manifest}, indent=1))
+
+
+def write_shard(folder: Path, index: int, batch: Batch, *, pixel_wh: tuple[int, int], skipped: dict[str, str]) -> None:
+    """Write shard `index`: `batch` (one bucket, `pixel_wh` its pixel size) and the inputs of the shard
+    that could not be used, `{key: why}`."""
+    metadata = {
+        "latent_hw": json.dumps(list(batch.latents.shape[-2:])),
+        "pixel_wh": json.dumps(list(pixel_wh)),
+        "count": str(len(batch)),
+        "skipped": json.dumps(skipped),
+    }
+    write_tensors(folder / shard_name(index), batch, metadata=metadata)
+
+
+def check_plan(folder: Path, plan: dict[str, Any], world: World) -> None:
+    """Record what the shards of `folder` are planned to hold (rank 0, on the first run) and refuse a
+    folder planned otherwise (collective).
+
+    Raises:
+        ValueError: on every rank, when the folder's shards were planned for other inputs or settings
+            (names each setting that differs).
+    """
+    path = folder / PLAN
+    if world.is_main and not path.is_file():
+        write_text_atomic(path, json.dumps(plan, indent=1))
+    world.barrier()
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    if saved != plan:
+        differ = ", ".join(
+            f"{key} {saved.get(key)!r} -> {value!r}" for key, value in plan.items() if saved.get(key) != value
+        )
+        raise ValueError(
+            f"{folder} holds an unfinished cache of other inputs or settings ({differ}); rerun with those, or "
+            "delete the folder or choose another --data.cache_dir to start over."
+        )
+
+
+def finish_cache(folder: Path, *, kind: str, uncond: Batch, skipped: dict[str, str]) -> tuple[int, int, dict[str, str]]:
+    """Close a cache whose shards are all written (rank 0): the uncond file, then the manifest when any
+    sample was kept (an empty cache stays unfinished).
+
+    Args:
+        kind (`str`): what the samples were made from (`images`, `prompts`).
+        uncond (`Batch`): the empty caption's conditioning, one row.
+        skipped (`dict[str, str]`): inputs left out before sharding, `{key: why}`; each shard's own are added.
+
+    Returns:
+        The samples kept, the shards, and every skipped input.
+    """
+    write_tensors(folder / UNCOND, uncond)
+    shards, all_skipped = [], dict(skipped)
+    for path in sorted(folder.glob("shard-*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata()
+        all_skipped.update(json.loads(meta["skipped"]))
+        shards.append({"file": path.name, "latent_hw": json.loads(meta["latent_hw"]), "count": int(meta["count"])})
+    kept = sum(shard["count"] for shard in shards)
+    if kept:
+        write_manifest(folder, {"kind": kind, "shards": shards, "skipped": all_skipped})
+    return kept, len(shards), all_skipped
 
 
 class CacheSource:

@@ -5,12 +5,13 @@ turns (seed, step) into the indices of one global batch, all from one bucket; ea
 contiguous slice. So N processes see exactly the batch one process would, and the data position is
 just the step number (resume is exact). Sources: a model preset's own (`trainer.presets`, such as the
 toy's `trainer.toy.preset.ToySource`, made on the fly) and `CacheSource` (`trainer.cache`, written by
-`trainer.prepare`).
+`trainer.prepare`). The buckets' pixel sizes come from `--data.buckets` (`bucket_sizes`, `nearest_bucket`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from trainer.seeds import derived_seed
 
-__all__ = ["Batch", "BatchPlan", "Source"]
+__all__ = ["Batch", "BatchPlan", "Source", "bucket_sizes", "nearest_bucket"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,3 +99,33 @@ class BatchPlan:
         """This rank's contiguous slice of global batch `step`."""
         per_rank = self.batch_size // world_size
         return self.global_indices(step)[rank * per_rank : (rank + 1) * per_rank]
+
+
+def bucket_sizes(spec: str, resolution: int, multiple: int) -> list[tuple[int, int]]:
+    """Pixel `(width, height)` of each `w:h` bucket: about `resolution**2` pixels, sides a multiple of `multiple`.
+
+    Raises:
+        ValueError: a malformed bucket (names it and the expected form).
+    """
+    sizes = []
+    for item in (part.strip() for part in spec.split(",") if part.strip()):
+        w_text, sep, h_text = item.partition(":")
+        try:
+            ratio = float(w_text) / float(h_text)
+        except ValueError:
+            ratio = 0.0
+        if not sep or not ratio > 0:
+            raise ValueError(f"--data.buckets: {item!r} is not a ratio like 4:3.")
+        width = max(multiple, round(resolution * math.sqrt(ratio) / multiple) * multiple)
+        height = max(multiple, round(resolution / math.sqrt(ratio) / multiple) * multiple)
+        if (width, height) not in sizes:
+            sizes.append((width, height))
+    if not sizes:
+        raise ValueError("--data.buckets is empty; give ratios like 1:1,4:3,3:4.")
+    return sizes
+
+
+def nearest_bucket(width: int, height: int, sizes: list[tuple[int, int]]) -> tuple[int, int]:
+    """The bucket whose aspect ratio is closest to `width / height` (in log space)."""
+    aspect = math.log(width / height)
+    return min(sizes, key=lambda size: abs(math.log(size[0] / size[1]) - aspect))

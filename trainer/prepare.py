@@ -2,12 +2,14 @@
 
 `prepare_images` encodes a folder of images with `.txt` captions through the base pipeline's own VAE
 and text encoders; `prepare_prompts` lets the frozen softmax model generate the latents of each
-prompt (a prompts file or the shipped default set; no images needed). Both sort inputs into
-aspect-ratio buckets, cut each bucket into shards of `--data.shard_size`, and have rank r encode shards
-r, r + N, ...; rank 0 shows a progress bar with an ETA. A shard already on disk is kept, so an
-interrupted preparation resumes where it stopped; `plan.json` records what the shards hold, and a
-cache folder planned for other inputs or settings is refused rather than mixed. Unreadable images and
-missing captions are skipped and counted, never a crash mid-run; an empty input is an error.
+prompt (a prompts file or the shipped default set; no images needed). Both run one driver and differ
+only in how they list their inputs and encode a shard (`_Inputs`): sort the inputs into aspect-ratio
+buckets (`trainer.data.bucket_sizes`), cut each bucket into shards of `--data.shard_size`, and have
+rank r encode shards r, r + N, ...; rank 0 shows a progress bar with an ETA. A shard already on disk
+is kept, so an interrupted preparation resumes where it stopped; `plan.json` records what the shards
+hold, and a cache folder planned for other inputs or settings is refused rather than mixed. Unreadable
+images and missing captions are skipped and counted, never a crash mid-run; an empty input is an
+error. The cache's files and format are `trainer.cache`'s.
 """
 
 from __future__ import annotations
@@ -15,61 +17,29 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from t5core.atomic import write_text_atomic
-from trainer.cache import MANIFEST, UNCOND, shard_name, write_manifest, write_tensors
+from trainer.cache import MANIFEST, check_plan, finish_cache, shard_name, write_shard
 from trainer.config import DataConfig
-from trainer.data import Batch
+from trainer.data import Batch, bucket_sizes, nearest_bucket
 from trainer.distributed import World
 from trainer.prompt_set import default_prompts
 from trainer.seeds import derived_seed
 from trainer.sources import PipelineFiles
 
-__all__ = ["IMAGE_SUFFIXES", "bucket_sizes", "nearest_bucket", "prepare_images", "prepare_prompts"]
+__all__ = ["IMAGE_SUFFIXES", "prepare_images", "prepare_prompts"]
 
 logger = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-PLAN = "plan.json"
 _SHOWN_SKIPS = 5
-
-
-def bucket_sizes(spec: str, resolution: int, multiple: int) -> list[tuple[int, int]]:
-    """Pixel `(width, height)` of each `w:h` bucket: about `resolution**2` pixels, sides a multiple of `multiple`.
-
-    Raises:
-        ValueError: a malformed bucket (names it and the expected form).
-    """
-    sizes = []
-    for item in (part.strip() for part in spec.split(",") if part.strip()):
-        w_text, sep, h_text = item.partition(":")
-        try:
-            ratio = float(w_text) / float(h_text)
-        except ValueError:
-            ratio = 0.0
-        if not sep or not ratio > 0:
-            raise ValueError(f"--data.buckets: {item!r} is not a ratio like 4:3.")
-        width = max(multiple, round(resolution * math.sqrt(ratio) / multiple) * multiple)
-        height = max(multiple, round(resolution / math.sqrt(ratio) / multiple) * multiple)
-        if (width, height) not in sizes:
-            sizes.append((width, height))
-    if not sizes:
-        raise ValueError("--data.buckets is empty; give ratios like 1:1,4:3,3:4.")
-    return sizes
-
-
-def nearest_bucket(width: int, height: int, sizes: list[tuple[int, int]]) -> tuple[int, int]:
-    """The bucket whose aspect ratio is closest to `width / height` (in log space)."""
-    aspect = math.log(width / height)
-    return min(sizes, key=lambda size: abs(math.log(size[0] / size[1]) - aspect))
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +47,23 @@ class _Item:
     key: str
     caption: str
     size: tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class _Inputs:
+    """What one kind of input brings to the preparation driver.
+
+    Attributes:
+        kind: `images` or `prompts` (the manifest's kind, the progress bar's unit).
+        settings: what else the shards depend on, recorded in `plan.json`.
+        items: the bucket sizes -> the inputs sorted into them, and those skipped (`{key: why}`).
+        encode: `(pipeline, shard, size)` -> the shard's samples, and its inputs that failed (`{key: why}`).
+    """
+
+    kind: str
+    settings: dict[str, object]
+    items: Callable[[list[tuple[int, int]]], tuple[list[_Item], dict[str, str]]]
+    encode: Callable[[Any, list[_Item], tuple[int, int]], tuple[Batch, dict[str, str]]]
 
 
 def _pipeline_dtype(world: World) -> torch.dtype:
@@ -132,27 +119,15 @@ def _shards(items: list[_Item], shard_size: int) -> list[tuple[tuple[int, int], 
     ]
 
 
-def _check_plan(cache_dir: Path, items: list[_Item], settings: dict[str, object], world: World) -> None:
-    """Record what the shards of `cache_dir` hold (rank 0, first run) and refuse a folder planned otherwise.
-
-    Raises:
-        ValueError: on every rank, when the folder's shards were planned for other inputs or settings.
-    """
+def _plan(items: list[_Item], inputs: _Inputs) -> dict[str, object]:
+    """What the shards will hold: the kind, its settings, and a digest of the inputs in shard order."""
     listing = json.dumps([[item.key, item.caption, list(item.size)] for item in items])
-    plan = {**settings, "items": len(items), "sha256": hashlib.sha256(listing.encode()).hexdigest()}
-    path = cache_dir / PLAN
-    if world.is_main and not path.is_file():
-        write_text_atomic(path, json.dumps(plan, indent=1))
-    world.barrier()
-    saved = json.loads(path.read_text(encoding="utf-8"))
-    if saved != plan:
-        differ = ", ".join(
-            f"{key} {saved.get(key)!r} -> {value!r}" for key, value in plan.items() if saved.get(key) != value
-        )
-        raise ValueError(
-            f"{cache_dir} holds an unfinished cache of other inputs or settings ({differ}); rerun with those, or "
-            "delete the folder or choose another --data.cache_dir to start over."
-        )
+    return {
+        "kind": inputs.kind,
+        **inputs.settings,
+        "items": len(items),
+        "sha256": hashlib.sha256(listing.encode()).hexdigest(),
+    }
 
 
 def _pending(
@@ -178,28 +153,19 @@ def _pending(
 def _finish(
     cache_dir: Path, pipe, data: DataConfig, world: World, *, kind: str, planned: int, skipped: dict[str, str]
 ) -> None:
-    """After every rank wrote its shards: rank 0 writes the uncond file and the manifest (collective).
+    """After every rank wrote its shards: rank 0 closes the cache (`trainer.cache.finish_cache`; collective).
 
     Raises:
         ValueError: on every rank, when no input could be used.
     """
-    from safetensors import safe_open
-
     world.barrier()
     kept, shown = 0, ""
     if world.is_main:
-        write_tensors(cache_dir / UNCOND, Batch(torch.zeros(1, 1), *_encode_text(pipe, [""], data)))
-        shards, all_skipped = [], dict(skipped)
-        for path in sorted(cache_dir.glob("shard-*.safetensors")):
-            with safe_open(str(path), framework="pt") as handle:
-                meta = handle.metadata()
-            all_skipped.update(json.loads(meta["skipped"]))
-            shards.append({"file": path.name, "latent_hw": json.loads(meta["latent_hw"]), "count": int(meta["count"])})
-        kept = sum(shard["count"] for shard in shards)
+        uncond = Batch(torch.zeros(1, 1), *_encode_text(pipe, [""], data))
+        kept, shards, all_skipped = finish_cache(cache_dir, kind=kind, uncond=uncond, skipped=skipped)
         shown = "; ".join(f"{key}: {why}" for key, why in list(all_skipped.items())[:_SHOWN_SKIPS])
         if kept:
-            write_manifest(cache_dir, {"kind": kind, "shards": shards, "skipped": all_skipped})
-            logger.info("Data: cached %d of %d %s in %d shards at %s", kept, planned, kind, len(shards), cache_dir)
+            logger.info("Data: cached %d of %d %s in %d shards at %s", kept, planned, kind, shards, cache_dir)
         if all_skipped:
             more = ", ..." if len(all_skipped) > _SHOWN_SKIPS else ""
             logger.warning("Data: skipped %d of %d %s (%s%s)", len(all_skipped), planned, kind, shown, more)
@@ -211,14 +177,36 @@ def _finish(
         )
 
 
-def _write_shard(cache_dir: Path, index: int, batch: Batch, size: tuple[int, int], skipped: dict[str, str]) -> None:
-    metadata = {
-        "latent_hw": json.dumps(list(batch.latents.shape[-2:])),
-        "pixel_wh": json.dumps(list(size)),
-        "count": str(len(batch)),
-        "skipped": json.dumps(skipped),
-    }
-    write_tensors(cache_dir / shard_name(index), batch, metadata=metadata)
+def _finished(cache_dir: Path) -> bool:
+    if (cache_dir / MANIFEST).is_file():
+        logger.info("Data: using the finished cache %s", cache_dir)
+        return True
+    return False
+
+
+@torch.no_grad()
+def _prepare(
+    inputs: _Inputs,
+    cache_dir: Path,
+    *,
+    pipeline: Path | PipelineFiles,
+    transformer: nn.Module,
+    data: DataConfig,
+    resolution: int,
+    world: World,
+    progress: bool,
+) -> Path:
+    """The driver both kinds of input share (collective): bucket, plan, encode the missing shards, finish."""
+    pipe = _load_pipeline(pipeline, transformer, world)
+    items, skipped = inputs.items(bucket_sizes(data.buckets, resolution, _pixel_multiple(pipe)))
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    check_plan(cache_dir, _plan(items, inputs), world)
+    shards = _shards(items, data.shard_size)
+    for index, size, shard in _pending(cache_dir, shards, world, unit=inputs.kind, progress=progress):
+        batch, failed = inputs.encode(pipe, shard, size)
+        write_shard(cache_dir, index, batch, pixel_wh=size, skipped=failed)
+    _finish(cache_dir, pipe, data, world, kind=inputs.kind, planned=len(items) + len(skipped), skipped=skipped)
+    return cache_dir
 
 
 def _read_image(path: Path, size: tuple[int, int]) -> Tensor:
@@ -276,7 +264,30 @@ def _scan_images(folder: Path, files: list[Path], sizes: list[tuple[int, int]]) 
     return items, skipped
 
 
-@torch.no_grad()
+def _encode_images(
+    pipe, folder: Path, shard: list[_Item], size: tuple[int, int], *, data: DataConfig, world: World
+) -> tuple[Batch, dict[str, str]]:
+    """VAE latents and text conditioning of a shard of images; an image unreadable now is left out."""
+    vae = pipe.vae
+    shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
+    pixels, captions, failed = [], [], {}
+    for item in shard:
+        try:
+            pixels.append(_read_image(folder / item.key, size))
+            captions.append(item.caption)
+        except (OSError, SyntaxError, ValueError) as error:
+            failed[item.key] = f"unreadable image ({error})"
+    latents = torch.zeros(
+        0, vae.config.latent_channels, size[1] // pipe.vae_scale_factor, size[0] // pipe.vae_scale_factor
+    )
+    context = pooled = torch.zeros(0)
+    if pixels:
+        encoded = vae.encode(torch.stack(pixels).to(world.device, vae.dtype)).latent_dist.mean
+        latents = ((encoded - shift) * scale).float().cpu()
+        context, pooled = _encode_text(pipe, captions, data)
+    return Batch(latents, context, pooled), failed
+
+
 def prepare_images(
     folder: Path,
     cache_dir: Path,
@@ -296,38 +307,19 @@ def prepare_images(
     Raises:
         FileNotFoundError: no such folder. ValueError: no images, or none usable.
     """
-    if (cache_dir / MANIFEST).is_file():
-        logger.info("Data: using the finished cache %s", cache_dir)
+    if _finished(cache_dir):
         return cache_dir
     files = _list_images(folder)
-    pipe = _load_pipeline(pipeline, transformer, world)
-    sizes = bucket_sizes(data.buckets, resolution, _pixel_multiple(pipe))
-    items, skipped = _scan_images(folder, files, sizes)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    settings = {"kind": "images", "shard_size": data.shard_size, "max_sequence_length": data.max_sequence_length}
-    _check_plan(cache_dir, items, settings, world)
-    vae = pipe.vae
-    shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
-    shards = _shards(items, data.shard_size)
-    for index, size, shard in _pending(cache_dir, shards, world, unit="images", progress=progress):
-        pixels, captions, failed = [], [], {}
-        for item in shard:
-            try:
-                pixels.append(_read_image(folder / item.key, size))
-                captions.append(item.caption)
-            except (OSError, SyntaxError, ValueError) as error:
-                failed[item.key] = f"unreadable image ({error})"
-        latents = torch.zeros(
-            0, vae.config.latent_channels, size[1] // pipe.vae_scale_factor, size[0] // pipe.vae_scale_factor
-        )
-        context = pooled = torch.zeros(0)
-        if pixels:
-            encoded = vae.encode(torch.stack(pixels).to(world.device, vae.dtype)).latent_dist.mean
-            latents = ((encoded - shift) * scale).float().cpu()
-            context, pooled = _encode_text(pipe, captions, data)
-        _write_shard(cache_dir, index, Batch(latents, context, pooled), size, failed)
-    _finish(cache_dir, pipe, data, world, kind="images", planned=len(items) + len(skipped), skipped=skipped)
-    return cache_dir
+    inputs = _Inputs(
+        kind="images",
+        settings={"shard_size": data.shard_size, "max_sequence_length": data.max_sequence_length},
+        items=lambda sizes: _scan_images(folder, files, sizes),
+        encode=lambda pipe, shard, size: _encode_images(pipe, folder, shard, size, data=data, world=world),
+    )
+    return _prepare(
+        inputs, cache_dir, pipeline=pipeline, transformer=transformer, data=data, resolution=resolution,
+        world=world, progress=progress,
+    )  # fmt: skip
 
 
 def _read_prompts(path: Path) -> list[str]:
@@ -340,7 +332,38 @@ def _read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-@torch.no_grad()
+def _generate(
+    pipe, shard: list[_Item], size: tuple[int, int], *, data: DataConfig, world: World
+) -> tuple[Batch, dict[str, str]]:
+    """Latents the softmax model generates for a shard of prompts, each from noise seeded by its index."""
+    captions = [item.caption for item in shard]
+    embeds = pipe.encode_prompt(
+        prompt=captions,
+        prompt_2=None,
+        prompt_3=None,
+        do_classifier_free_guidance=data.guidance_scale > 1,
+        max_sequence_length=data.max_sequence_length,
+    )
+    generators = [torch.Generator(world.device).manual_seed(derived_seed(0, "prompt", item.key)) for item in shard]
+    # The transformer is the fp32 base the run trains; autocast runs it in the bf16 pipeline's dtype.
+    dtype = _pipeline_dtype(world)
+    with torch.autocast(world.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        latents = pipe(
+            prompt_embeds=embeds[0],
+            negative_prompt_embeds=embeds[1],
+            pooled_prompt_embeds=embeds[2],
+            negative_pooled_prompt_embeds=embeds[3],
+            width=size[0],
+            height=size[1],
+            num_inference_steps=data.generate_steps,
+            guidance_scale=data.guidance_scale,
+            generator=generators,
+            output_type="latent",
+        ).images
+    logger.debug("Data: generated %d prompts at %dx%d", len(shard), *size)
+    return Batch(latents.float().cpu(), embeds[0].float().cpu(), embeds[2].float().cpu()), {}
+
+
 def prepare_prompts(
     prompts_file: Path | None,
     cache_dir: Path,
@@ -365,51 +388,22 @@ def prepare_prompts(
     Raises:
         FileNotFoundError: no such file. ValueError: no prompts, or a cache folder planned otherwise.
     """
-    if (cache_dir / MANIFEST).is_file():
-        logger.info("Data: using the finished cache %s", cache_dir)
+    if _finished(cache_dir):
         return cache_dir
     prompts = _read_prompts(prompts_file) if prompts_file is not None else default_prompts()
     prompts = prompts[: data.prompt_limit or None]
-    pipe = _load_pipeline(pipeline, transformer, world)
-    sizes = bucket_sizes(data.buckets, resolution, _pixel_multiple(pipe))
-    items = [_Item(str(i), prompt, sizes[i % len(sizes)]) for i, prompt in enumerate(prompts)]
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    settings = {
-        "kind": "prompts",
-        "shard_size": data.shard_size,
-        "max_sequence_length": data.max_sequence_length,
-        "generate_steps": data.generate_steps,
-        "guidance_scale": data.guidance_scale,
-    }
-    _check_plan(cache_dir, items, settings, world)
-    shards = _shards(items, data.shard_size)
-    for index, size, shard in _pending(cache_dir, shards, world, unit="prompts", progress=progress):
-        captions = [item.caption for item in shard]
-        embeds = pipe.encode_prompt(
-            prompt=captions,
-            prompt_2=None,
-            prompt_3=None,
-            do_classifier_free_guidance=data.guidance_scale > 1,
-            max_sequence_length=data.max_sequence_length,
-        )
-        generators = [torch.Generator(world.device).manual_seed(derived_seed(0, "prompt", item.key)) for item in shard]
-        # The transformer is the fp32 base the run trains; autocast runs it in the bf16 pipeline's dtype.
-        dtype = _pipeline_dtype(world)
-        with torch.autocast(world.device.type, dtype=dtype, enabled=dtype != torch.float32):
-            latents = pipe(
-                prompt_embeds=embeds[0],
-                negative_prompt_embeds=embeds[1],
-                pooled_prompt_embeds=embeds[2],
-                negative_pooled_prompt_embeds=embeds[3],
-                width=size[0],
-                height=size[1],
-                num_inference_steps=data.generate_steps,
-                guidance_scale=data.guidance_scale,
-                generator=generators,
-                output_type="latent",
-            ).images
-        batch = Batch(latents.float().cpu(), embeds[0].float().cpu(), embeds[2].float().cpu())
-        _write_shard(cache_dir, index, batch, size, {})
-        logger.debug("Data: generated shard %d (%d prompts at %dx%d)", index, len(shard), *size)
-    _finish(cache_dir, pipe, data, world, kind="prompts", planned=len(items), skipped={})
-    return cache_dir
+    inputs = _Inputs(
+        kind="prompts",
+        settings={
+            "shard_size": data.shard_size,
+            "max_sequence_length": data.max_sequence_length,
+            "generate_steps": data.generate_steps,
+            "guidance_scale": data.guidance_scale,
+        },
+        items=lambda sizes: ([_Item(str(i), prompt, sizes[i % len(sizes)]) for i, prompt in enumerate(prompts)], {}),
+        encode=lambda pipe, shard, size: _generate(pipe, shard, size, data=data, world=world),
+    )
+    return _prepare(
+        inputs, cache_dir, pipeline=pipeline, transformer=transformer, data=data, resolution=resolution,
+        world=world, progress=progress,
+    )  # fmt: skip

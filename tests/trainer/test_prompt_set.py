@@ -86,15 +86,15 @@ def test_empty_path_generates_the_first_prompts_of_the_default_set(pipeline, tmp
 
 def test_interrupted_generation_resumes_where_it_stopped(pipeline, tmp_path, monkeypatch):
     written = []
-    write_shard = prepare_module._write_shard
+    write_shard = prepare_module.write_shard
 
-    def fail_after_two(cache_dir, index, *args):
+    def fail_after_two(cache_dir, index, *args, **kwargs):
         if len(written) == 2:
             raise RuntimeError("interrupted")
         written.append(index)
-        write_shard(cache_dir, index, *args)
+        write_shard(cache_dir, index, *args, **kwargs)
 
-    monkeypatch.setattr(prepare_module, "_write_shard", fail_after_two)
+    monkeypatch.setattr(prepare_module, "write_shard", fail_after_two)
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError, match="interrupted"):
         _generate(pipeline, cache, prompt_limit=5)
@@ -102,8 +102,8 @@ def test_interrupted_generation_resumes_where_it_stopped(pipeline, tmp_path, mon
     assert len(first) == 2 and not (cache / "manifest.json").exists()
 
     written.clear()
-    monkeypatch.setattr(prepare_module, "_write_shard", lambda cache_dir, index, *args: (
-        written.append(index), write_shard(cache_dir, index, *args)
+    monkeypatch.setattr(prepare_module, "write_shard", lambda cache_dir, index, *args, **kwargs: (
+        written.append(index), write_shard(cache_dir, index, *args, **kwargs)
     ))  # fmt: skip
     resumed = CacheSource(_generate(pipeline, cache, prompt_limit=5))
     assert len(written) == 3 and _count(resumed) == 5

@@ -12,9 +12,9 @@ from t5core.hosts.diffusers import linearize
 from testing.models import shipped_config
 from trainer.cli import parse_args
 from trainer.config import TrainConfig
+from trainer.data import bucket_sizes
 from trainer.memory import MemoryPlan, check_plan, count_parameters, run_shape
 from trainer.model import CONFIGS_DIR, split_parameters
-from trainer.prepare import bucket_sizes
 from trainer.time_estimate import GPUS
 
 RECIPES = CONFIGS_DIR.parent
