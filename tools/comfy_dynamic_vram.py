@@ -26,7 +26,6 @@ applies failed.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -35,10 +34,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks.timing import RESULTS_DIR, header_line, write_json
+from benchmarks.timing import header_line, write_json
 from t5core.hosts.comfy_runtime import COPY_LOG
 from t5core.hosts.diffusers import arch_of
 from testing import comfy_env, comfy_tiny
+from tools.comfy_check import parse_check_args
 from testing.comfy_prompts import sampling_prompt
 from testing.comfy_server import ComfyServer
 from testing.models import tiny_transformer
@@ -140,15 +140,8 @@ def checks(latents: dict[str, torch.Tensor], log: str, cuda: bool) -> list[dict]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--comfyui", type=Path, default=None, help="ComfyUI tree (default: as testing/comfy_env.py finds it)"
-    )
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    args = parser.parse_args(argv)
-    tree = args.comfyui or comfy_env.locate()
-    if tree is None:
-        parser.error(f"pass --comfyui; {comfy_env.not_found_message()}")
+    args = parse_check_args(__doc__.split("\n\n")[0], argv)
+    tree = args.tree
     cuda = torch.cuda.is_available()
     print(header_line())
     with tempfile.TemporaryDirectory(prefix="t5-dynamic-vram-") as temp:

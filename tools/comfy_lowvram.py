@@ -26,7 +26,6 @@ Prints a table and writes `comfy_lowvram_<device>.json` (under `benchmarks/resul
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import tempfile
@@ -34,9 +33,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.timing import RESULTS_DIR, header_line, write_json
+from benchmarks.timing import header_line, write_json
 from t5core.hosts.comfy_runtime import KEY
 from testing import comfy_env, comfy_tiny
+from tools.comfy_check import parse_check_args
 from testing.models import tiny_transformer
 
 RUNTIME_LOGGER = "t5core.hosts.comfy_runtime"
@@ -121,15 +121,8 @@ def run_check(base_dir: Path) -> tuple[list[dict], dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--comfyui", type=Path, default=None, help="ComfyUI tree (default: as testing/comfy_env.py finds it)"
-    )
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    args = parser.parse_args(argv)
-    tree = args.comfyui or comfy_env.locate()
-    if tree is None:
-        parser.error(f"pass --comfyui; {comfy_env.not_found_message()}")
+    args = parse_check_args(__doc__.split("\n\n")[0], argv)
+    tree = args.tree
     cuda = torch.cuda.is_available()
     print(header_line())
     with tempfile.TemporaryDirectory(prefix="t5-lowvram-") as temp:
