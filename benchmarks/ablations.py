@@ -37,9 +37,10 @@ from torch import Tensor, nn
 from benchmarks.timing import RESULTS_DIR, header_line, write_json
 from t5core.atomic import write_atomic
 from t5core.hosts.diffusers import linearize
+from t5core.sd3_keys import diffusers_module
 from trainer.config import LossConfig, OptimConfig, TrainConfig
-from trainer.distributed import derived_seed
 from trainer.optim import build_scheduler
+from trainer.seeds import derived_seed
 from trainer.toy.baselines import PlainLinearAttention, reinit_inherited
 from trainer.toy.data import IMAGE_SIZE, make_batch
 from trainer.toy.artifacts import background_level, open_background_level, token_period_energy
@@ -172,7 +173,7 @@ def build(row: Row, seed: int) -> tuple[nn.Module, list[nn.Parameter], tuple[str
     new = list(handle.t5_parameters())
     if row.attention == "linear":
         for name in names:
-            model.get_submodule(f"transformer_{name}.processor").t5 = PlainLinearAttention()
+            model.get_submodule(f"{diffusers_module(name)}.processor").t5 = PlainLinearAttention()
         new = []
     if not row.inherit:
         new += reinit_inherited(model, names, seed=seed)

@@ -16,10 +16,6 @@ import torch.distributed as dist
 
 from trainer.config import ParallelConfig
 
-# benchmarks/ablations.py imports derived_seed from here, and a running sweep re-imports it on every
-# restart; it moves to `from trainer.seeds import derived_seed` when the sweep is done (issue 21).
-from trainer.seeds import derived_seed  # noqa: F401
-
 __all__ = ["World", "init_world"]
 
 logger = logging.getLogger(__name__)
