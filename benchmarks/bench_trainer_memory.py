@@ -22,7 +22,8 @@ import torch
 from benchmarks.timing import header_line, write_json
 from t5core.hosts.diffusers import linearize
 from trainer.config import ModelConfig, OptimConfig
-from trainer.memory import ParamCounts, PlanSettings, RunShape, count_parameters, plan_memory
+from trainer.memory import PlanSettings, count_parameters, plan_memory
+from trainer.time_estimate import ParamCounts, RunShape
 from trainer.model import CONFIGS_DIR, split_parameters
 
 logger = logging.getLogger(__name__)
