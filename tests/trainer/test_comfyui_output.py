@@ -138,11 +138,12 @@ def test_the_model_card_says_what_the_file_is_and_how_to_use_it():
 def test_the_toy_card_has_the_toyeval_table():
     score = dict(overall=0.8, color=0.9, shape=0.7, position=0.85, size=0.75)
     toy_eval = {
-        "teacher": {"toyeval": score, "val_loss": 0.3, "background": 0.0003},
+        "teacher": {"toyeval": score, "val_loss": 0.3, "background": 0.0003, "open_background": 0.00009},
         "student": {
             "toyeval": {**score, "overall": 0.6},
             "val_loss": 0.35,
             "background": 0.007,
+            "open_background": 0.0026,
             "token_period_energy": 0.01,
         },
         "teacher_distance": 0.12,
@@ -150,8 +151,8 @@ def test_the_toy_card_has_the_toyeval_table():
     }
     card = model_card(parse_args([]), _report(toy_eval=toy_eval), weights_name="t5.safetensors")
     assert "the built-in toy SD3.5-Medium-like model" in card
-    assert "| softmax teacher | 0.800 | 0.900 | 0.700 | 0.850 | 0.750 | 0.3000 | 0.0000 | 0.0003 | - |" in card
-    assert "| T5 | 0.600 | 0.900 | 0.700 | 0.850 | 0.750 | 0.3500 | 0.1200 | 0.0070 | 0.0100 |" in card
+    assert "| softmax teacher | 0.800 | 0.900 | 0.700 | 0.850 | 0.750 | 0.3000 | 0.0000 | 0.0003 | 0.00009 | - |" in card
+    assert "| T5 | 0.600 | 0.900 | 0.700 | 0.850 | 0.750 | 0.3500 | 0.1200 | 0.0070 | 0.00260 | 0.0100 |" in card
     assert "-0.200 ToyEval, 95% interval [-0.300, -0.100]" in card
     assert "ModelSamplingSD3" in card
 

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from trainer.export import write_report
-from trainer.toy.artifacts import background_level, token_period_energy
+from trainer.toy.artifacts import background_level, open_background_level, token_period_energy
 from trainer.toy.data import IMAGE_SIZE
 from trainer.toy.eval import sample_hits
 from trainer.toy.model import build_toy_model
@@ -62,8 +62,10 @@ def test_the_comparison_reports_the_paired_interval_and_the_artifact_measures(ca
     paired = report["paired"]
     assert paired["mean"] == difference and paired["low"] <= difference <= paired["high"] and paired["samples"] == 3
     assert report["teacher"]["background"] == background_level(result.teacher_images, result.teacher_images)
+    assert report["student"]["open_background"] == open_background_level(result.student_images, result.teacher_images)
     assert report["student"]["token_period_energy"] == token_period_energy(result.student_images, result.teacher_images)
-    assert "95% interval" in result.table() and "| background | token-period energy |" in result.table()
+    table = result.table()
+    assert "95% interval" in table and "| background | open background | token-period energy |" in table
     # the progress bar counts the sampling batches of both models
     assert "ToyEval: 100%" in capsys.readouterr().err
 

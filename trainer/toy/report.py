@@ -18,7 +18,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from t5core.atomic import write_bytes_atomic
-from trainer.toy.artifacts import background_level, token_period_energy
+from trainer.toy.artifacts import background_level, open_background_level, token_period_energy
 from trainer.toy.data import Caption
 from trainer.toy.eval import (
     GENERATE_BATCH,
@@ -43,8 +43,8 @@ def comparison_table(comparison: dict, *, student_name: str = "T5") -> str:
     (`trainer.toy.artifacts`), then the paired ToyEval difference with its 95% interval."""
     lines = [
         "| model | ToyEval overall | color | shape | position | size | val loss | dist. to teacher "
-        "| background | token-period energy |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| background | open background | token-period energy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, key in (("softmax teacher", "teacher"), (student_name, "student")):
         entry = comparison[key]
@@ -52,15 +52,19 @@ def comparison_table(comparison: dict, *, student_name: str = "T5") -> str:
         cells = " | ".join(f"{score[part]:.3f}" for part in ("overall", "color", "shape", "position", "size"))
         distance = comparison["teacher_distance"] if key == "student" else 0.0
         energy = f"{entry['token_period_energy']:.4f}" if key == "student" else "-"
+        # reports written before the open-background measure existed have no such entry
+        open_level = f"{entry['open_background']:.5f}" if "open_background" in entry else "-"
         lines.append(
-            f"| {name} | {cells} | {entry['val_loss']:.4f} | {distance:.4f} | {entry['background']:.4f} | {energy} |"
+            f"| {name} | {cells} | {entry['val_loss']:.4f} | {distance:.4f} | {entry['background']:.4f} "
+            f"| {open_level} | {energy} |"
         )
     paired = comparison["paired"]
     lines += [
         "",
         f"{student_name} - teacher, paired on the same {paired['samples']} captions and noise: "
         f"{paired['mean']:+.3f} ToyEval, 95% interval [{paired['low']:+.3f}, {paired['high']:+.3f}] (bootstrap over "
-        "samples). Background: mean pixel level where the teacher's image is black; token-period energy: share "
+        "samples). Background: mean pixel level where the teacher's image is black; open background: the same "
+        "more than 2 px from either image's objects (a lift, not a displaced object); token-period energy: share "
         f"of the {student_name}-minus-teacher residual on the token lattice of the spectrum (white noise: 0.0065).",
     ]
     return "\n".join(lines)
@@ -95,11 +99,13 @@ class Comparison:
                 "toyeval": self.teacher_score.as_dict(),
                 "val_loss": self.teacher_val_loss,
                 "background": background_level(teacher, teacher),
+                "open_background": open_background_level(teacher, teacher),
             },
             "student": {
                 "toyeval": self.student_score.as_dict(),
                 "val_loss": self.student_val_loss,
                 "background": background_level(student, teacher),
+                "open_background": open_background_level(student, teacher),
                 "token_period_energy": token_period_energy(student, teacher),
             },
             "teacher_distance": self.distance,
