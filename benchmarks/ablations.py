@@ -300,7 +300,8 @@ def summarise(
         f"{budget.optim.schedule}, seeds {seeds}",
         "",
         "| row | what | modules | ToyEval overall | vs teacher, paired [95% CI] | shape | size | val loss "
-        "| val loss 4x tokens | ToyEval 4x tokens | dist. to teacher | background | open background | token-period energy |",
+        "| val loss 4x tokens | ToyEval 4x tokens | dist. to teacher | background | open background "
+        "| token-period energy |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -310,7 +311,8 @@ def summarise(
         cells = [_mean_sd([r["toyeval"][k] for r in runs]) for k in ("overall", "shape", "size")]
         wide = [r["toyeval_4x"]["overall"] for r in runs if "toyeval_4x" in r]
         artifacts = [
-            _mean_sd([r[key] for r in runs if key in r], 4) for key in ("background", "open_background", "token_period_energy")
+            _mean_sd([r[key] for r in runs if key in r], 4)
+            for key in ("background", "open_background", "token_period_energy")
         ]
         lines.append(
             f"| {row.name} | {row.description} | {runs[0]['converted']} | {cells[0]} | {_paired(runs, teacher_hits)} | "

@@ -31,7 +31,8 @@ OBJECT = 0.35
 def _check(images: Tensor, teacher_images: Tensor) -> None:
     if images.shape != teacher_images.shape or images.dim() != 4:
         raise ValueError(
-            f"need two (B, 3, H, W) image sets of one shape; got {tuple(images.shape)} and {tuple(teacher_images.shape)}."
+            f"need two (B, 3, H, W) image sets of one shape; got {tuple(images.shape)} and "
+            f"{tuple(teacher_images.shape)}."
         )
 
 
