@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Every GPU check in one run, sized for a short device lease (at most 575 s of stage limits, inside
-# the device tool's 10-minute command limit):
+# Every GPU check, sized for a short device lease: 725 s of stage limits in all, so on a device tool
+# with a 10-minute command limit run it as two commands (465 s and 260 s of limits):
+#
+#   bash benchmarks/gpu_check.sh tests bench sweep
+#   bash benchmarks/gpu_check.sh comfy lowvram step
 #
 #   tests  pytest tests/t5kernels on CUDA: SD3.5 shapes, bf16, bit-repeatability, sm_80/90 compile
 #   bench  python3 -m benchmarks.bench_kernels --backward --model-step  -> kernels_cuda.json
@@ -12,8 +15,12 @@
 #          weight budget of half the model (a tiny model never runs short on a GPU, so the budget is
 #          set, not left to free memory): every T5 parameter loaded to the GPU, T5 parameters copied
 #          per call (goal: none), latents equal to a full load's  -> comfy_lowvram_cuda.json
+#   step   python3 -m benchmarks.bench_comfy_step, bf16: SD3.5 Medium's whole model (24 blocks, random
+#          weights) in ComfyUI 0.33 through the node, one CFG step for softmax, paper, all and their
+#          hybrids; whole at 1024x1024, composed from per-block times at 1024x1024 (checked against
+#          the whole step) and 2048x2048                         -> comfy_step_whole_cuda.json
 #
-#   bash benchmarks/gpu_check.sh                 # all five, in that order
+#   bash benchmarks/gpu_check.sh                 # all six, in that order
 #   bash benchmarks/gpu_check.sh bench sweep     # some of them
 #
 # Logs and JSON go to $OUT (the device tool's folder; else benchmarks/results/gpu_check). Each stage
@@ -27,7 +34,7 @@
 # and run with carry [".whl"]. Without it the bench stage fails at the model step, after its
 # attention table.
 #
-# The comfy and lowvram stages run the ComfyUI tree in $COMFYUI_TREE (default .comfyui/0.33.0, a copy of this
+# The comfy, lowvram and step stages run the ComfyUI tree in $COMFYUI_TREE (default .comfyui/0.33.0, a copy of this
 # machine's ~/comfy/0.33.0, README.md 'Tests': `mkdir -p .comfyui && cp -r ~/comfy/0.33.0 .comfyui/`,
 # with `echo /.comfyui/ >> .git/info/exclude`; 31 MB) and needs ComfyUI 0.33.0's requirements that the
 # device image lacks, as wheels in .whl (the same pip download, one NAME==VERSION each; at least
@@ -63,7 +70,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...
     [ "$rc" -eq 0 ] || failed=1
 }
 
-for name in "${@:-tests bench sweep comfy lowvram}"; do
+for name in "${@:-tests bench sweep comfy lowvram step}"; do
     for one in $name; do
         case $one in
             tests) stage tests 230 python3 -m pytest tests/t5kernels -q -n 12 -p no:cacheprovider \
@@ -74,7 +81,10 @@ for name in "${@:-tests bench sweep comfy lowvram}"; do
                        --results-dir "$out" ;;
             lowvram) stage lowvram 35 python3 -m tools.comfy_lowvram --comfyui "${COMFYUI_TREE:-.comfyui/0.33.0}" \
                        --results-dir "$out" ;;
-            *) echo "unknown stage '$one' (tests, bench, sweep, comfy, lowvram)" | tee -a "$log"; exit 2 ;;
+            step) stage step 150 python3 -m benchmarks.bench_comfy_step --device cuda --dtype bf16 --sizes 1024 \
+                       --compose 1024 2048 --warmup 2 --reps 5 --comfyui "${COMFYUI_TREE:-.comfyui/0.33.0}" \
+                       --results-dir "$out" ;;
+            *) echo "unknown stage '$one' (tests, bench, sweep, comfy, lowvram, step)" | tee -a "$log"; exit 2 ;;
         esac
     done
 done

@@ -185,12 +185,63 @@ def _sweep(result: Result) -> list[str]:
     return [intro, "", *_table(["sweep", "default ms", "fastest ms", "speedup vs default", "fastest"], rows)]
 
 
+def _comfy_step_whole(result: Result) -> list[str]:
+    meta = result["meta"]
+    model = (
+        "SD3.5 Medium's architecture (24 joint blocks, `attn2` on blocks 0-12)"
+        if meta["blocks"] == meta["depth"]
+        else f"**only the first {meta['blocks']} of SD3.5 Medium's {meta['depth']} joint blocks**"
+    )
+    batch = " or ".join(
+        f"{len(calls)} model call{'s' if len(calls) > 1 else ''} of batch {'/'.join(map(str, calls))}"
+        for calls in meta["model_calls_per_step"]
+    )
+    intro = (
+        f"One ComfyUI {meta['comfyui']} sampling step of {model} with random weights: one euler step, CFG "
+        f"{meta['cfg']:g} (cond and uncond batched: {batch} per step), {meta['text_tokens']} text tokens, "
+        f"{meta['dtype']}; softmax is SDPA, T5 runs through the T5Linearize node (`-hybrid`: hybrid joint "
+        "attention, exact softmax wherever text takes part). Step *measured*: the whole step timed (median of "
+        f"{meta['reps']} after {meta['warmup']} warm-up). Step *composed*: the time of everything but the joint "
+        "blocks plus, for every block, the time of one block of its kind, timed inside the same model's step; "
+        f"where both ran, composed / measured checks the composition (goal: {meta['composition_goal']}). "
+        "Attention share: time inside attention calls / step time. Peak: "
+        f"{meta['memory_method']}."
+    )
+    rows = []
+    for row in result["rows"]:
+        head = [f"{row['size']}x{row['size']}", f"`{row['path']}`", row["modules"], row["step"]]
+        if row["status"] != "ok":
+            rows.append([*head, row["status"], "", "", "", ""])
+            continue
+        check = row.get("composed_vs_measured")
+        rows.append(
+            [
+                *head,
+                _ms(row["median_ms"]),
+                _x(speedup(_row(result, row["size"], "softmax", row["step"])["median_ms"], row["median_ms"])),
+                f"{row['attention_share']:.0%}",
+                f"{row['peak_mib']:.0f}",
+                f"{check:.3f}" if check is not None else "-",
+            ]
+        )
+    header = ["image", "path", "modules converted", "step", "ms", "speedup", "attention share", "peak MiB",
+              "composed / measured"]  # fmt: skip
+    return [intro, "", *_table(header, rows)]
+
+
+def _row(result: Result, size: int, path: str, step: str) -> dict[str, Any]:
+    """The row of `result` for one image size, path and kind of step."""
+    return next(r for r in result["rows"] if (r["size"], r["path"], r["step"]) == (size, path, step))
+
+
 def _comfy_step(result: Result) -> list[str]:
     meta = result["meta"]
     intro = (
-        f"One ComfyUI sampling step (one euler step, CFG batch {meta['cfg_batch']}, {meta['text_tokens']} text "
-        f"tokens, {meta['dtype']}) of ComfyUI's MMDiT with SD3.5 Medium's width and random weights, the first "
-        f"{meta['blocks']} of 24 blocks; softmax is SDPA, T5 runs whatever `auto` picks."
+        "**Superseded by the current script's whole-model step; kept for the record.** An earlier version of the "
+        "script, before the chunked torch path of T5 attention: one ComfyUI sampling step (one "
+        f"euler step, CFG batch {meta['cfg_batch']}, {meta['text_tokens']} text tokens, {meta['dtype']}) of ComfyUI's "
+        f"MMDiT with SD3.5 Medium's width and random weights, **only the first {meta['blocks']} of 24 blocks**; "
+        "softmax is SDPA, T5 runs whatever `auto` picks."
     )
     specs = list(dict.fromkeys(row["path"] for row in result["rows"] if row["path"] != "softmax"))
     rows = []
@@ -359,6 +410,12 @@ def _file_size(result: Result) -> list[str]:
 Renderer = Callable[[Result], list[str]]
 # (file name pattern, section title, command that writes it, renderer); the first match wins.
 SECTIONS: tuple[tuple[str, str, str, Renderer], ...] = (
+    (
+        "comfy_step_whole_*.json",
+        "SD3.5 Medium, one ComfyUI sampling step, whole model",
+        "python -m benchmarks.bench_comfy_step",
+        _comfy_step_whole,
+    ),
     ("attention_*.json", "T5Attention vs SDPA", "python -m benchmarks.bench_attention", _attention),
     (
         "hybrid_attention_*.json",
@@ -368,7 +425,12 @@ SECTIONS: tuple[tuple[str, str, str, Renderer], ...] = (
     ),
     ("kernels_sweep_*.json", "Kernel launch settings", "python -m benchmarks.sweep_kernels", _sweep),
     ("kernels_*.json", "Triton kernels", "python -m benchmarks.bench_kernels", _kernels),
-    ("comfy_step_*.json", "One ComfyUI sampling step", "python -m benchmarks.bench_comfy_step", _comfy_step),
+    (
+        "comfy_step_*.json",
+        "One ComfyUI sampling step, 2 of 24 blocks (superseded)",
+        "python -m benchmarks.bench_comfy_step --blocks 2",
+        _comfy_step,
+    ),
     ("comfy_dynamic_vram_*.json", "ComfyUI Dynamic VRAM", "python -m tools.comfy_dynamic_vram", _dynamic_vram),
     ("comfy_lowvram_*.json", "ComfyUI partial (low-VRAM) load", "python -m tools.comfy_lowvram", _lowvram),
     ("file_size.json", "T5 weights file size", "python -m benchmarks.bench_file_size", _file_size),
@@ -396,9 +458,10 @@ every path against the reference before timing it, and writes its JSON under `be
 {SPEEDUP_VS_SOFTMAX}: above 1 means T5 is faster. Both paths are always
 timed in the same run. What the toy ablations show is discussed in [docs/toy.md](../docs/toy.md).
 
-**GPU:** `bash benchmarks/gpu_check.sh` runs every GPU check in one go (the kernel tests on CUDA,
+**GPU:** `bash benchmarks/gpu_check.sh` runs every GPU check (the kernel tests on CUDA,
 `bench_kernels.py --backward --model-step`, `sweep_kernels.py`, `tools/comfy_dynamic_vram.py`,
-`tools/comfy_lowvram.py`); its header says what to carry to a GPU machine. Its JSON files, copied
+`tools/comfy_lowvram.py`, `bench_comfy_step.py` on the whole model); its header says what to carry
+to a GPU machine and how to split it under a 10-minute command limit. Its JSON files, copied
 into `benchmarks/results/`, get their sections on the next `python -m benchmarks.report`."""
 
 
@@ -429,7 +492,13 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if benchmarks/README.md is out of date")
+    parser.add_argument(
+        "--results-dir", type=Path, help="render the result files in this folder and print the text (README untouched)"
+    )
     args = parser.parse_args(argv)
+    if args.results_dir is not None:
+        print(render(args.results_dir), end="")
+        return 0
     text = render()
     if args.check:
         if README.read_text(encoding="utf-8") != text:

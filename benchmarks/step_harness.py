@@ -1,0 +1,274 @@
+"""The ComfyUI side of `benchmarks/bench_comfy_step.py`: the model, its paths through the node, and
+one instrumented sampling step, timed whole or block by block.
+
+A path is softmax or the `T5Linearize` node's output for a file of seeded random T5 modules; `Step`
+is one `nodes.common_ksampler` euler step with CFG of a clone of the path's patcher, carrying an
+`APPLY_MODEL` wrapper (the batch of every model call, the running diffusion model) and the attention
+clock (`benchmarks.step_probes`). `measure_whole` times the step; `measure_composed` routes every
+joint block through ComfyUI's `patches_replace["dit"]` hook, passing its inputs through, except one
+block of each kind the path has, which is timed there on the step's own hidden states, text tokens and
+conditioning vector; the step with every block passing through is the rest
+(`benchmarks.step_compose`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.step_compose import BlockKind, BlockShape, compose, kinds_of
+from benchmarks.step_probes import AttentionClock, PeakMemory
+from benchmarks.timing import time_fn
+from t5core import T5Attention
+from t5core.config import BaseArch
+from t5core.layers import resolve_layers
+from testing.comfy_tiny import write_t5_weights
+
+__all__ = [
+    "CFG", "HYBRID", "TEXT_TOKENS", "Step", "StepPath", "build_model", "convert_paths", "measure_composed",
+    "measure_whole", "path_layers",
+]  # fmt: skip
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TEXT_TOKENS = 154
+CFG = 4.5
+HYBRID = "-hybrid"
+
+
+@dataclass
+class StepPath:
+    """One row family of the table: a model and what it converts."""
+
+    name: str
+    layers: tuple[str, ...]
+    joint_mode: str
+    patcher: Any
+
+
+def build_model(config: dict, blocks: int, dtype: torch.dtype):
+    """ComfyUI's SD3 model with a diffusers `SD3Transformer2DModel` config, its first `blocks` joint
+    blocks and seeded random weights."""
+    import comfy.model_management
+    import comfy.model_patcher
+    import comfy.supported_models
+
+    unet = dict(
+        in_channels=config["in_channels"],
+        out_channels=config["out_channels"],
+        patch_size=config["patch_size"],
+        depth=config["num_layers"],
+        num_blocks=blocks,
+        adm_in_channels=config["pooled_projection_dim"],
+        pos_embed_max_size=config["pos_embed_max_size"],
+        num_patches=config["pos_embed_max_size"] ** 2,
+        qk_norm="rms" if config["qk_norm"] == "rms_norm" else None,
+        x_block_self_attn_layers=[i for i in config["dual_attention_layers"] if i < blocks],
+        pos_embed_scaling_factor=None,
+        context_embedder_config={
+            "target": "torch.nn.Linear",
+            "params": {
+                "in_features": config["joint_attention_dim"],
+                "out_features": config["num_attention_heads"] * config["attention_head_dim"],
+            },
+        },
+    )
+    model_config = comfy.supported_models.SD3(unet)
+    model_config.set_inference_dtype(dtype, None)
+    torch.manual_seed(0)
+    model = model_config.get_model({})
+    with torch.no_grad():
+        for param in model.diffusion_model.parameters():
+            param.normal_(0.0, 0.02)
+    mm = comfy.model_management
+    return comfy.model_patcher.ModelPatcher(model, mm.get_torch_device(), mm.unet_offload_device())
+
+
+def convert_paths(nodes, model, specs: list[str]) -> list[StepPath]:
+    """Softmax, then one path per spec: the `T5Linearize` node's output for a file of that spec's modules,
+    written into the node's models folder."""
+    import folder_paths
+
+    from t5core.hosts.comfy import arch_of
+
+    loaded = asyncio.run(nodes.load_custom_node(str(REPO_ROOT)))
+    if not loaded or "T5Linearize" not in nodes.NODE_CLASS_MAPPINGS:
+        raise RuntimeError(f"ComfyUI did not load {REPO_ROOT} as a custom node pack; see its log lines above.")
+    node, arch = nodes.NODE_CLASS_MAPPINGS["T5Linearize"], arch_of(model)
+    weights_dir = Path(folder_paths.get_folder_paths("t5_linearize")[0])
+    paths = [StepPath("softmax", (), "ttt", model)]
+    for name in specs:
+        layers, joint_mode = path_layers(name, arch)
+        file = f"{name.replace(':', '_').replace(',', '+')}.safetensors"
+        write_t5_weights(
+            weights_dir / file,
+            arch,
+            layers,
+            seed=1,
+            fast_weight_std=None,
+            made_by="bench_comfy_step",
+            joint_mode=joint_mode,
+        )
+        patched = node.execute(model=model, weights=file, layers="", enabled=True).result[0]
+        paths.append(StepPath(name, layers, joint_mode, patched))
+    return paths
+
+
+def path_layers(name: str, arch: BaseArch) -> tuple[tuple[str, ...], str]:
+    """A T5 path's converted modules and joint mode: `<spec>` is a layer spec (`t5core.layers`) with
+    joint mode `ttt`, `<spec>-hybrid` the same modules with joint mode `hybrid`."""
+    spec, joint_mode = (name[: -len(HYBRID)], "hybrid") if name.endswith(HYBRID) else (name, "ttt")
+    return resolve_layers(spec, arch), joint_mode
+
+
+class Step:
+    """One sampling step of a path at one size, instrumented: a clone of the path's patcher with an
+    `APPLY_MODEL` wrapper (records the batch of every model call and the running diffusion model),
+    the attention clock on both attention call sites, and optional `dit` block replacements."""
+
+    KEY = "bench_comfy_step"
+
+    def __init__(self, nodes, path: StepPath, config: dict, size: int, clock: AttentionClock) -> None:
+        import comfy.patcher_extension
+
+        from t5core.hosts.comfy import KEY as T5_KEY
+        from t5core.hosts.comfy import arch_of
+
+        self.nodes, self.clock, self.diffusion = nodes, clock, None
+        # the batch of each model call: of the step running, and each step's sequence so far
+        self.batches: list[int] = []
+        self.calls: set[tuple[int, ...]] = set()
+        self.patcher = path.patcher.clone()
+        self.patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, self.KEY, self._wrapper())
+        options = self.patcher.model_options["transformer_options"]
+        # a plain function, not a bound method: ComfyUI deep-copies model_options, and a deep copy of a
+        # bound method would copy the clock with it
+        options["optimized_attention_override"] = lambda func, *args, **kwargs: clock.override(func, *args, **kwargs)
+        t5 = path.patcher.get_additional_models_with_key(T5_KEY)
+        self.t5_modules = [m for p in t5 for m in p.model.modules() if isinstance(m, T5Attention)]
+        self.attention_modules = arch_of(path.patcher).attention_modules()
+        generator = torch.Generator().manual_seed(2)
+        self.conds = [
+            [[torch.randn(1, TEXT_TOKENS, config["joint_attention_dim"], generator=generator),
+              {"pooled_output": torch.randn(1, config["pooled_projection_dim"], generator=generator)}]]
+            for _ in range(2)
+        ]  # fmt: skip
+        self.latent = {"samples": torch.zeros(1, 16, size // 8, size // 8)}
+
+    def _wrapper(self):
+        def wrapper(executor, x, *args, **kwargs):
+            self.batches.append(x.shape[0])
+            self.diffusion = executor.class_obj.diffusion_model
+            return executor(x, *args, **kwargs)
+
+        return wrapper
+
+    def replace_blocks(self, make) -> None:
+        """Route every joint block `i` through `make(i)`, a ComfyUI `dit` double-block replacement."""
+        for index in range(len(self.patcher.model.diffusion_model.joint_blocks)):
+            self.patcher.set_model_patch_replace(make(index), "dit", "double_block", index)
+
+    def __call__(self) -> torch.Tensor:
+        self.batches = []
+        with torch.no_grad(), self.clock.hooked(self.t5_modules):
+            out = self.nodes.common_ksampler(
+                self.patcher, 0, 1, CFG, "euler", "sgm_uniform", self.conds[0], self.conds[1], self.latent
+            )[0]["samples"]
+        self.calls.add(tuple(self.batches))
+        return out
+
+
+def _timed(run, *, reps: int, clock: AttentionClock, memory: PeakMemory) -> dict[str, float]:
+    """Time `run` (its warmup calls already made), with its attention time and calls per run, and the peak
+    memory over the runs."""
+    clock.take_ms()
+    memory.start()
+    timing = time_fn(run, warmup=0, reps=reps)
+    calls = clock.calls / reps
+    attention = clock.take_ms() / reps
+    peak, held = memory.stop_mib()
+    return {**timing, "attention_ms": attention, "attention_calls": calls, "peak_mib": peak, "held_mib": held}
+
+
+def measure_whole(
+    step: Step, reference: torch.Tensor | None, *, warmup: int, reps: int, memory: PeakMemory
+) -> dict[str, Any]:
+    """The whole step, timed; `status` FAIL when a T5 path's latents are not finite or equal softmax's
+    (`reference`, None for softmax itself). `latents` is the first run's output."""
+    out = step()
+    for _ in range(warmup - 1):
+        step()
+    if reference is not None and not (torch.isfinite(out).all() and not torch.equal(out, reference)):
+        return {"status": "FAIL", "latents": out}
+    timed = _timed(step, reps=reps, clock=step.clock, memory=memory)
+    expected = len(step.attention_modules) * len(step.batches)
+    if timed["attention_calls"] != expected:
+        raise RuntimeError(
+            f"the attention clock saw {timed['attention_calls']:g} calls per step, expected {expected} (every "
+            "attention module once per model call): a call site is not instrumented in this ComfyUI."
+        )
+    return {**timed, "status": "ok", "latents": out}
+
+
+def measure_composed(
+    step: Step, path: StepPath, shapes: list[BlockShape], *, warmup: int, reps: int, memory: PeakMemory
+) -> dict[str, Any]:
+    """Rest and one block of each kind the path has, timed inside the path's own sampling step, and the
+    step composed from them; the peak is that of the step timing the blocks, which runs every kind."""
+    clock = step.clock
+    kinds = kinds_of(shapes, path.layers, path.joint_mode)
+    first = {kind: kinds.index(kind) for kind in dict.fromkeys(kinds)}
+    timed_at = {index: kind for kind, index in first.items()}
+    blocks: dict[BlockKind, dict[str, Any]] = {}
+    state = {"measure": False}
+
+    def make(index: int):
+        def replacement(inputs: dict, extra: dict) -> dict:
+            kind = timed_at.get(index) if state["measure"] else None
+            if kind is not None:
+                block = step.diffusion.joint_blocks[index]
+
+                def run():
+                    return block(inputs["txt"], inputs["img"], c=inputs["vec"], use_checkpoint=False,
+                                 transformer_options=inputs["transformer_options"])  # fmt: skip
+
+                finite = all(t is None or bool(torch.isfinite(t).all()) for t in run())
+                for _ in range(warmup - 1):
+                    run()
+                clock.take_ms()
+                timing = time_fn(run, warmup=0, reps=reps)
+                calls, attention = clock.calls / reps, clock.take_ms() / reps
+                if calls != 1 + kind.shape.attn2:
+                    raise RuntimeError(f"block {index}: the attention clock saw {calls:g} calls per block call.")
+                blocks[kind] = {**timing, "attention_ms": attention, "finite": finite}
+            return {"txt": inputs["txt"], "img": inputs["img"]}
+
+        return replacement
+
+    step.replace_blocks(make)
+    for _ in range(warmup):
+        step()
+    rest = _timed(step, reps=reps, clock=clock, memory=memory)
+    state["measure"] = True
+    memory.start()
+    step()
+    peak, held = memory.stop_mib()
+    ok = all(block["finite"] for block in blocks.values())
+    per_kind = {kind: block["median_ms"] for kind, block in blocks.items()}
+    attention = {kind: block["attention_ms"] for kind, block in blocks.items()}
+    return {
+        "median_ms": compose(rest["median_ms"], per_kind, kinds),
+        "attention_ms": compose(rest["attention_ms"], attention, kinds),
+        "peak_mib": max(peak, rest["peak_mib"]),
+        "held_mib": held,
+        "rest_ms": rest["median_ms"],
+        "rest_attention_ms": rest["attention_ms"],
+        "blocks": [
+            {"kind": kind.label(), "count": kinds.count(kind), "timed_block": first[kind], **blocks[kind]}
+            for kind in first
+        ],
+        "status": "ok" if ok else "FAIL",
+    }

@@ -1,0 +1,94 @@
+"""`benchmarks/bench_comfy_step.py`: the kinds of block each path composes for SD3.5 Medium, and the
+whole script at toy size, whole and composed, with its JSON and the report's table.
+
+Run as subprocesses: tests do not import `benchmarks/`. Every expectation here is written from the
+model's definition (attn2 on blocks 0-12, `paper` = attn2 0-12 plus joint 19-23, the last block's
+text stream pre-only), not from the script's code. No timing is asserted, only what was measured and
+how it adds up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testing import comfy_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(module: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def test_plan_counts_sd35_mediums_blocks_by_kind():
+    out = _run("benchmarks.bench_comfy_step", "--plan", "--specs", "paper", "all-hybrid").stdout
+    assert out.splitlines() == [
+        "softmax: 0 modules converted",
+        "   13 x attn2 block: joint softmax, attn2 softmax",
+        "   10 x block: joint softmax",
+        "    1 x last block: joint softmax",
+        "paper: 18 modules converted",
+        "   13 x attn2 block: joint softmax, attn2 T5",
+        "    6 x block: joint softmax",
+        "    4 x block: joint T5",
+        "    1 x last block: joint T5",
+        "all-hybrid: 37 modules converted",
+        "   13 x attn2 block: joint hybrid, attn2 T5",
+        "   10 x block: joint hybrid",
+        "    1 x last block: joint hybrid",
+    ]
+
+
+# The 2-block model: both blocks have attn2 (0-12), block 1 is the last; `paper` converts both attn2 and
+# the joint attention of the last block (5/24 of 2 blocks, at least 1).
+TOY_KINDS = {
+    "softmax": {"attn2 block: joint softmax, attn2 softmax": 1, "last block: joint softmax, attn2 softmax": 1},
+    "paper": {"attn2 block: joint softmax, attn2 T5": 1, "last block: joint T5, attn2 T5": 1},
+    "all-hybrid": {"attn2 block: joint hybrid, attn2 T5": 1, "last block: joint hybrid, attn2 T5": 1},
+}
+
+
+def test_whole_and_composed_step_at_toy_size(tmp_path):
+    tree = comfy_env.require_tree()
+    out = _run(
+        "benchmarks.bench_comfy_step",
+        "--blocks", "2", "--sizes", "64", "--compose", "64", "--warmup", "1", "--reps", "2",
+        "--specs", "paper", "all-hybrid", f"--comfyui={tree}", f"--results-dir={tmp_path}",
+    ).stdout  # fmt: skip
+    assert "FAIL" not in out and "composed / measured" in out
+    result = json.loads((tmp_path / "comfy_step_whole_cpu.json").read_text())
+    assert result["meta"]["model_calls_per_step"] == [[2]], "cond and uncond must run as one model call of batch 2"
+    rows = {(row["path"], row["step"]): row for row in result["rows"]}
+    assert set(rows) == {(path, step) for path in TOY_KINDS for step in ("measured", "composed")}
+    for (path, step), row in rows.items():
+        assert row["status"] == "ok", row
+        base = rows[("softmax", step)]["median_ms"]
+        assert row["speedup_vs_softmax"] == pytest.approx(base / row["median_ms"])
+        assert 0 < row["attention_share"] < 1 and row["peak_mib"] > 0
+        if step == "measured":
+            # one model call, two joint and two attn2 modules: four attention calls per step
+            assert row["attention_calls"] == 4
+            continue
+        blocks = row["blocks"]
+        assert {block["kind"]: block["count"] for block in blocks} == TOY_KINDS[path]
+        added = row["rest_ms"] + sum(block["count"] * block["median_ms"] for block in blocks)
+        assert row["median_ms"] == pytest.approx(added)
+        attention = row["rest_attention_ms"] + sum(block["count"] * block["attention_ms"] for block in blocks)
+        assert row["attention_ms"] == pytest.approx(attention)
+        assert row["composed_vs_measured"] == pytest.approx(row["median_ms"] / rows[(path, "measured")]["median_ms"])
+
+    report = _run("benchmarks.report", f"--results-dir={tmp_path}").stdout
+    assert "## SD3.5 Medium, one ComfyUI sampling step, whole model (`comfy_step_whole_cpu.json`)" in report
+    assert "only the first 2 of SD3.5 Medium's 24 joint blocks" in report
+    assert "| 64x64 | `all-hybrid` | 4 | composed |" in report
