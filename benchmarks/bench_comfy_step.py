@@ -21,8 +21,8 @@ checks. Softmax is ComfyUI's attention forced to PyTorch SDPA. Each T5 path is t
 `T5Linearize` node, loaded into ComfyUI as a custom node pack, given a file of seeded random T5
 modules for its layer spec: `paper`, `all`, and `<spec>-hybrid` for the same modules with
 `T5Config.joint_mode = "hybrid"` (exact softmax wherever text takes part, T5 between image tokens;
-only joint `attn` modules change). Before timing, each path's step must give finite latents that
-differ from softmax's, else its row says FAIL.
+only joint `attn` modules change). Before timing, each path's whole step must give finite latents
+that differ from softmax's, and each timed block finite outputs, else its row says FAIL.
 
 Two ways to get a step's time, and the table says which each row used:
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU check, sized for a short device lease: 725 s of stage limits in all, so on a device tool
-# with a 10-minute command limit run it as two commands (465 s and 260 s of limits):
+# Every GPU check, sized for a short device lease: 775 s of stage limits in all, so on a device tool
+# with a 10-minute command limit run it as two commands (465 s and 310 s of limits):
 #
 #   bash benchmarks/gpu_check.sh tests bench sweep
 #   bash benchmarks/gpu_check.sh comfy lowvram step
@@ -81,7 +81,7 @@ for name in "${@:-tests bench sweep comfy lowvram step}"; do
                        --results-dir "$out" ;;
             lowvram) stage lowvram 35 python3 -m tools.comfy_lowvram --comfyui "${COMFYUI_TREE:-.comfyui/0.33.0}" \
                        --results-dir "$out" ;;
-            step) stage step 150 python3 -m benchmarks.bench_comfy_step --device cuda --dtype bf16 --sizes 1024 \
+            step) stage step 200 python3 -m benchmarks.bench_comfy_step --device cuda --dtype bf16 --sizes 1024 \
                        --compose 1024 2048 --warmup 2 --reps 5 --comfyui "${COMFYUI_TREE:-.comfyui/0.33.0}" \
                        --results-dir "$out" ;;
             *) echo "unknown stage '$one' (tests, bench, sweep, comfy, lowvram, step)" | tee -a "$log"; exit 2 ;;

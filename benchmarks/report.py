@@ -205,7 +205,8 @@ def _comfy_step_whole(result: Result) -> list[str]:
         "blocks plus, for every block, the time of one block of its kind, timed inside the same model's step; "
         f"where both ran, composed / measured checks the composition (goal: {meta['composition_goal']}). "
         "Attention share: time inside attention calls / step time. Peak: "
-        f"{meta['memory_method']}."
+        f"{meta['memory_method']}; for a composed row, the peak of the step that times its blocks (every kind "
+        "of block the path has, in turn)."
     )
     rows = []
     for row in result["rows"]:
