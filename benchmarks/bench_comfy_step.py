@@ -222,6 +222,7 @@ def _save(args, config: dict, rows: list[dict[str, Any]], *, comfyui: str, calls
         f"T5Attention forward hooks, {'CUDA events' if memory.cuda else 'perf_counter'}",
         "memory_method": memory.method,
         "composition_goal": f"composed within {COMPOSITION_GOAL:.0%} of measured",
+        "composition_tolerance": COMPOSITION_GOAL,
     }
     write_json(f"comfy_step_whole_{args.device}", rows, meta, directory=args.results_dir)
 

@@ -227,7 +227,17 @@ def _comfy_step_whole(result: Result) -> list[str]:
         )
     header = ["image", "path", "modules converted", "step", "ms", "speedup", "attention share", "peak MiB",
               "composed / measured"]  # fmt: skip
-    return [intro, "", *_table(header, rows)]
+    checks = []
+    for size in dict.fromkeys(row["size"] for row in result["rows"]):
+        ratios = [row["composed_vs_measured"] for row in result["rows"] if row["size"] == size and
+                  "composed_vs_measured" in row]  # fmt: skip
+        if ratios:
+            met = all(abs(ratio - 1) <= meta["composition_tolerance"] for ratio in ratios)
+            checks.append(
+                f"* composed / measured at {size}x{size}: {min(ratios):.3f}-{max(ratios):.3f} over "
+                f"{len(ratios)} paths ({'goal met' if met else 'goal NOT met: the composed rows are not validated'})"
+            )
+    return [intro, "", *_table(header, rows), *([""] + checks if checks else [])]
 
 
 def _row(result: Result, size: int, path: str, step: str) -> dict[str, Any]:

@@ -92,3 +92,4 @@ def test_whole_and_composed_step_at_toy_size(tmp_path):
     assert "## SD3.5 Medium, one ComfyUI sampling step, whole model (`comfy_step_whole_cpu.json`)" in report
     assert "only the first 2 of SD3.5 Medium's 24 joint blocks" in report
     assert "| 64x64 | `all-hybrid` | 4 | composed |" in report
+    assert "* composed / measured at 64x64: " in report
