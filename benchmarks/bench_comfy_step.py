@@ -6,10 +6,12 @@ The measurement, one run and one JSON (written after each size, so a stopped run
     python -m benchmarks.bench_comfy_step --device cuda --dtype bf16 --sizes 1024 --compose 1024 2048 \
         --warmup 2 --reps 5  # the GPU row: benchmarks/gpu_check.sh, stage step
 
-On 2 otherwise idle CPU cores in fp32 the first takes about 2-3 hours (from FLOP counts at the 50
-GFLOP/s that the older 2-block table implies): the whole step at 1024x1024 about 1.5 h (softmax
-~7 min a step, T5 paths 5-6.5 min; 3 steps per path), composed 1024x1024 about 10 min, composed
-2048x2048 about 1-1.2 h (a softmax block with attn2 ~3 min a call; 3 calls per kind of block).
+On 2 otherwise idle CPU cores in fp32 the first takes about 1 hour, and up to 2.5 hours if the
+cores run at 50 GFLOP/s rather than 150 (estimates from FLOP counts: bench_attention's SDPA reached
+about 160 GFLOP/s on a quiet machine, the older 2-block table implies 50): the whole step at
+1024x1024 30-90 min (a softmax step 2.5-7 min, T5 paths 1.7-6 min; 3 steps per path), composed
+1024x1024 3-9 min, composed 2048x2048 17-50 min (a softmax block with attn2 1-3 min a call, 3 calls
+per kind of block; the softmax step it composes is 20-60 min). The fp32 model holds about 10 GB.
 `--plan` prints which kinds of block each path adds up, without running anything; a smoke test at
 toy size takes under a minute: `--blocks 2 --sizes 64 --compose 64 --warmup 1 --reps 2`.
 
