@@ -22,6 +22,8 @@ from t5core.backend import attend
 from t5core.config import T5Config
 from t5core.contract import T5Layout, Variant, check_call, fast_weight_names
 from t5core.hybrid import MERGES, Merge, hybrid_attention
+from t5core.neighborhood import NEIGHBORHOOD_BLEND, neighborhood_attention
+from t5core.ttt import join_image, split_image
 
 __all__ = ["FastWeights", "T5Attention", "file_name", "param_name"]
 
@@ -70,6 +72,10 @@ class T5Attention(nn.Module):
             text tokens are T5 attention either way.
         merge (`"cumulant" | "learned"`, *optional*, defaults to `"cumulant"`): with `exact_text`,
             the image log-partition estimate; `"learned"` adds the parameter `merge_bias`.
+        neighborhood (`int`, *optional*, defaults to 0): 0, or the odd window side k: image rows
+            become 0.5 T5 + 0.5 softmax over each image query's k x k neighbourhood of image keys
+            (`t5core.neighborhood`, on the call's q, k, v; with `exact_text`, the image part of the
+            merge). No parameter; every backend runs it as torch attention.
 
     Parameters, by their weights-file names: `w1`, `w2`, `w3` (swiglu only), each (H, D, D);
     `q_conv.weight`, `k_conv.weight` (H*D, 1, 3, 3) and their biases (H*D,); `merge_bias` (H,)
@@ -88,6 +94,7 @@ class T5Attention(nn.Module):
         backend: str = "auto",
         exact_text: bool = False,
         merge: Merge = "cumulant",
+        neighborhood: int = 0,
     ) -> None:
         super().__init__()
         names = fast_weight_names(variant)
@@ -95,9 +102,11 @@ class T5Attention(nn.Module):
             raise ValueError(f"heads and head_dim must be positive; got heads={heads}, head_dim={head_dim}.")
         if merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}; got {merge!r}.")
+        if neighborhood < 0 or (neighborhood and neighborhood % 2 == 0):
+            raise ValueError(f"neighborhood must be 0 (off) or an odd window side; got {neighborhood}.")
         self.heads, self.head_dim = heads, head_dim
         self.variant, self.key_norm_eps, self.locality, self.backend = variant, key_norm_eps, locality, backend
-        self.exact_text, self.merge = exact_text, merge
+        self.exact_text, self.merge, self.neighborhood = exact_text, merge, neighborhood
         self.fast = FastWeights(heads, head_dim, names, merge_bias=exact_text and merge == "learned")
         channels = heads * head_dim
         if locality:
@@ -119,6 +128,7 @@ class T5Attention(nn.Module):
             backend=backend,
             exact_text=config.exact_text(layer),
             merge=config.merge,
+            neighborhood=config.neighborhood,
         )
 
     def reset_parameters(self) -> None:
@@ -158,6 +168,7 @@ class T5Attention(nn.Module):
             f"heads={self.heads}, head_dim={self.head_dim}, variant={self.variant!r}, "
             f"key_norm_eps={self.key_norm_eps}, locality={self.locality}, backend={self.backend!r}"
             + (f", exact_text=True, merge={self.merge!r}" if self.exact_text else "")
+            + (f", neighborhood={self.neighborhood}" if self.neighborhood else "")
         )
 
     def forward(
@@ -181,7 +192,8 @@ class T5Attention(nn.Module):
 
         Returns:
             `(B, N, H, D)` in the input dtype. Each sample depends only on itself. With
-            `exact_text`, the text rows are softmax attention over all tokens.
+            `exact_text`, the text rows are softmax attention over all tokens; with `neighborhood`,
+            the image rows' T5 output is blended with neighbourhood softmax.
         """
         if q.shape[-2:] != (self.heads, self.head_dim):
             raise ValueError(
@@ -201,10 +213,21 @@ class T5Attention(nn.Module):
             text_first=text_first,
             key_norm_eps=self.key_norm_eps,
         )
+
+        def t5_attention(q: Tensor, k: Tensor, v: Tensor, layout: T5Layout) -> Tensor:
+            out = attend(self.backend, q, k, v, params, layout)
+            return out if not self.neighborhood else self._blend_neighborhood(out, q, k, v, layout)
+
         if not self.exact_text:
-            return attend(self.backend, q, k, v, params, layout)
+            return t5_attention(q, k, v, layout)
+        return hybrid_attention(q, k, v, layout, t5_attention, merge_bias=self.merge_bias)
 
-        def image_attention(q: Tensor, k: Tensor, v: Tensor, layout: T5Layout) -> Tensor:
-            return attend(self.backend, q, k, v, params, layout)
-
-        return hybrid_attention(q, k, v, layout, image_attention, merge_bias=self.merge_bias)
+    def _blend_neighborhood(self, out: Tensor, q: Tensor, k: Tensor, v: Tensor, layout: T5Layout) -> Tensor:
+        """`out` with its image rows replaced by (1 - b) out + b neighbourhood softmax (b = 0.5)."""
+        if layout.grid is None:
+            raise ValueError("neighborhood attention needs grid=(h, w) for the image tokens.")
+        text, first = layout.text_tokens, layout.text_first
+        (q_img, _), (k_img, _), (v_img, _) = (split_image(x, text, first) for x in (q, k, v))
+        out_img, out_txt = split_image(out, text, first)
+        local = neighborhood_attention(q_img, k_img, v_img, layout.grid, self.neighborhood)
+        return join_image(torch.lerp(out_img, local, NEIGHBORHOOD_BLEND), out_txt, first)

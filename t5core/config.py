@@ -88,6 +88,9 @@ class T5Config:
         merge (`"cumulant" | "learned"`, *optional*, defaults to `"cumulant"`): with `hybrid`, the
             image log-partition estimate that weighs text against image: the cumulant estimate, or
             it plus a learned per-head correction (`merge_bias`).
+        neighborhood (`int`, *optional*, defaults to 0): 0, or the odd window side k of exact
+            softmax over each image query's k x k neighbourhood, blended 50/50 with the T5 output on
+            image rows (`t5core.neighborhood`; the paper's DiT code uses 5).
     """
 
     variant: Variant = "swiglu"
@@ -96,6 +99,7 @@ class T5Config:
     layers: tuple[str, ...] = field(default_factory=tuple)
     joint_mode: JointMode = "ttt"
     merge: Merge = "cumulant"
+    neighborhood: int = 0
 
     def __post_init__(self) -> None:
         check_variant(self.variant)
@@ -105,6 +109,8 @@ class T5Config:
             raise ValueError(f"joint_mode must be one of {JOINT_MODES}; got {self.joint_mode!r}.")
         if self.merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}; got {self.merge!r}.")
+        if self.neighborhood < 0 or (self.neighborhood and self.neighborhood % 2 == 0):
+            raise ValueError(f"neighborhood must be 0 (off) or an odd window side; got {self.neighborhood}.")
         object.__setattr__(self, "layers", tuple(self.layers))
 
     def exact_text(self, layer: str) -> bool:
@@ -120,6 +126,8 @@ class T5Config:
         }
         if self.joint_mode != "ttt":
             metadata.update({"t5.joint_mode": self.joint_mode, "t5.merge": self.merge})
+        if self.neighborhood:
+            metadata["t5.neighborhood"] = str(self.neighborhood)
         return metadata
 
     @classmethod
@@ -137,4 +145,6 @@ class T5Config:
             # absent in files written before the hybrid mode existed: T5 over all tokens
             joint_mode=metadata.get("t5.joint_mode", "ttt"),
             merge=metadata.get("t5.merge", "cumulant"),
+            # absent in files written before the neighbourhood blend existed: none
+            neighborhood=int(metadata.get("t5.neighborhood", "0")),
         )

@@ -37,6 +37,7 @@ __all__ = [
     "inner_grads",
     "inner_loss",
     "inner_step",
+    "join_image",
     "key_instance_norm",
     "reference_attention",
     "silu_and_grad_",
@@ -68,7 +69,8 @@ def split_image(x: Tensor, text_tokens: int, text_first: bool) -> tuple[Tensor, 
     return x[:, :n_img], x[:, n_img:]
 
 
-def _join_image(image: Tensor, text: Tensor, text_first: bool) -> Tensor:
+def join_image(image: Tensor, text: Tensor, text_first: bool) -> Tensor:
+    """The sequence `(B, N, ...)` of its image and text parts, text first or last (`split_image`'s inverse)."""
     return torch.cat([text, image], dim=1) if text_first else torch.cat([image, text], dim=1)
 
 
@@ -103,7 +105,7 @@ def apply_locality(
     bias32 = None if bias is None else bias.float()
     conv = F.conv2d(image_BCHW, weight.float(), bias32, padding=1, groups=heads * dim)
     image = image + conv.permute(0, 2, 3, 1).reshape(b, h * w, heads, dim)
-    return _join_image(image, text, text_first)
+    return join_image(image, text, text_first)
 
 
 def silu_and_grad_(z: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:

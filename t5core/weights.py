@@ -1,14 +1,15 @@
-"""The T5 weights file (format versions 1 and 2, DESIGN.md section 4): save, load, validate.
+"""The T5 weights file (format versions 1 to 3, DESIGN.md section 4): save, load, validate.
 
 A safetensors file with `blocks.{i}.attn.{param}` / `blocks.{i}.attn2.{param}` tensors (the T5
 parameters of each converted module), optional `base.{key}` tensors (fine-tuned inherited weights in
 SD3 checkpoint naming) and string metadata: `t5.format_version`, the `T5Config` fields (`t5.variant`,
-`t5.key_norm_eps`, `t5.locality`, `t5.layers`, and in version 2 `t5.joint_mode`, `t5.merge`),
-`t5.base` (the `BaseArch` as JSON) and `t5.trainer` (free-form provenance as JSON).
+`t5.key_norm_eps`, `t5.locality`, `t5.layers`, in version 2 `t5.joint_mode`, `t5.merge`, in version
+3 `t5.neighborhood`), `t5.base` (the `BaseArch` as JSON) and `t5.trainer` (free-form provenance as JSON).
 
-Version 2 is written only for hybrid joint attention (`T5Config.joint_mode = "hybrid"`), which a
-version-1 reader would otherwise run as plain T5 attention without a word; every other file is
-written as version 1, so older readers keep loading it. Every mismatch raises `T5WeightsError`
+A file is written with the lowest version whose readers run it correctly: version 3 with the
+neighbourhood blend (`T5Config.neighborhood`), which older readers would drop without a word; else
+version 2 for hybrid joint attention (`T5Config.joint_mode = "hybrid"`), which a version-1 reader
+would run as plain T5 attention; else version 1, so older readers keep loading it. Every mismatch raises `T5WeightsError`
 naming the file, the problem and the fix. Never pickle.
 """
 
@@ -47,7 +48,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The newest format this module reads and writes; it reads every version from 1 up."""
 BASE_PREFIX = "base."
 
@@ -101,7 +102,9 @@ def expected_shapes(config: T5Config, arch: BaseArch, layer: str) -> dict[str, t
 
 
 def _format_version(config: T5Config) -> int:
-    """1 where a version-1 reader runs the file correctly, else 2 (module docstring)."""
+    """The lowest version whose readers run the file correctly (module docstring)."""
+    if config.neighborhood:
+        return 3
     return 1 if config.joint_mode == "ttt" else 2
 
 

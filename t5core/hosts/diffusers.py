@@ -151,6 +151,7 @@ def linearize(
     locality: bool = True,
     joint_mode: JointMode = "ttt",
     merge: Merge = "cumulant",
+    neighborhood: int = 0,
     backend: str = "auto",
     inplace: bool = True,
 ) -> T5Handle:
@@ -162,8 +163,9 @@ def linearize(
             for fresh T5 modules, the file's layers when `weights` is given.
         weights: a T5 weights file (path or loaded) to initialise from, `base.*` tensors included.
         variant: inner model for fresh modules (`"swiglu"` by default); must match a given file.
-        key_norm_eps, locality, joint_mode, merge: T5 settings for fresh modules (a file brings its
-            own); `joint_mode="hybrid"` keeps exact softmax wherever text takes part (`T5Config`).
+        key_norm_eps, locality, joint_mode, merge, neighborhood: T5 settings for fresh modules (a file
+            brings its own); `joint_mode="hybrid"` keeps exact softmax wherever text takes part,
+            `neighborhood=5` blends 5x5 neighbourhood softmax into the image rows (`T5Config`).
         backend: `"auto" | "torch" | "triton"` for every `T5Attention`.
         inplace: convert `transformer` itself (True) or a deep copy (False, returned as `handle.model`).
 
@@ -185,7 +187,15 @@ def linearize(
         transformer = copy.deepcopy(transformer)
     if weights is None:
         names = resolve_layers("paper" if layers is None else layers, arch)
-        config = T5Config(variant or "swiglu", key_norm_eps, locality, names, joint_mode=joint_mode, merge=merge)
+        config = T5Config(
+            variant or "swiglu",
+            key_norm_eps,
+            locality,
+            names,
+            joint_mode=joint_mode,
+            merge=merge,
+            neighborhood=neighborhood,
+        )
         modules = {
             name: T5Attention.from_config(config, arch.heads, arch.head_dim, layer=name, backend=backend)
             for name in names

@@ -33,6 +33,7 @@ def test_the_call_contract_and_the_reference_list_their_public_names():
         "inner_grads",
         "inner_loss",
         "inner_step",
+        "join_image",
         "key_instance_norm",
         "reference_attention",
         "silu_and_grad_",

@@ -124,8 +124,8 @@ def test_a_model_checkpoint_is_not_a_t5_file(tmp_path):
 
 def test_a_newer_format_is_refused(tmp_path):
     path, _ = write(tmp_path)
-    rewrite(path, metadata={"t5.format_version": "3"})
-    with pytest.raises(t5w.T5WeightsError, match="format version 3.*Upgrade"):
+    rewrite(path, metadata={"t5.format_version": "4"})
+    with pytest.raises(t5w.T5WeightsError, match="format version 4.*Upgrade"):
         t5w.load(path)
 
 
@@ -153,11 +153,32 @@ def test_hybrid_files_round_trip_as_version_2(tmp_path, merge):
     assert rebuilt["blocks.2.attn"].exact_text and not rebuilt["blocks.0.attn2"].exact_text
 
 
+@pytest.mark.parametrize("joint_mode", ["ttt", "hybrid"])
+def test_neighborhood_files_round_trip_as_version_3(tmp_path, joint_mode):
+    config = T5Config("swiglu", 1.0, True, (), joint_mode=joint_mode, neighborhood=5)
+    modules = {name: T5Attention.from_config(config, 2, 8, layer=name) for name in LAYERS}
+    path = t5w.save(tmp_path / "n.safetensors", modules, arch=ARCH, config=config)
+    meta = _format(path)
+    assert (meta["t5.format_version"], meta["t5.neighborhood"]) == ("3", "5")
+    loaded = t5w.load(path)
+    assert loaded.config == T5Config("swiglu", 1.0, True, LAYERS, joint_mode=joint_mode, neighborhood=5)
+    assert all(module.neighborhood == 5 for module in t5w.build_modules(loaded, LAYERS).values())
+
+
+def test_an_even_or_negative_neighborhood_is_refused(tmp_path):
+    path, _ = write(tmp_path)
+    rewrite(path, metadata={"t5.format_version": "3", "t5.neighborhood": "4"})
+    with pytest.raises(t5w.T5WeightsError, match="neighborhood must be 0 .off. or an odd window side; got 4"):
+        t5w.load(path)
+    with pytest.raises(ValueError, match="got -1"):
+        T5Attention(2, 8, neighborhood=-1)
+
+
 def test_plain_files_stay_version_1_and_files_without_a_joint_mode_load_as_ttt(tmp_path):
     path, _ = write(tmp_path)
     meta = _format(path)
-    assert meta["t5.format_version"] == "1" and "t5.joint_mode" not in meta
-    assert t5w.load(path).config.joint_mode == "ttt"
+    assert meta["t5.format_version"] == "1" and "t5.joint_mode" not in meta and "t5.neighborhood" not in meta
+    assert t5w.load(path).config.joint_mode == "ttt" and t5w.load(path).config.neighborhood == 0
 
 
 def test_a_learned_merge_bias_is_required_and_checked(tmp_path):
