@@ -3,15 +3,15 @@
     python -m benchmarks.ablations                          # every row, seeds 0 1 2 (about 100 min on 2 cores)
     python -m benchmarks.ablations --rows t5 no-keynorm --seeds 0 --steps 20 --eval-count 12
 
-Each row starts from the shipped softmax teacher (`trainer/toy/weights`), converts it with
-`t5core.hosts.diffusers.linearize` (or keeps softmax, or swaps in plain linear attention), then
+Each row starts from the shipped softmax teacher (`trainer/toy/weights`), converts it with the
+trainer's `trainer.model.build_student` (or keeps softmax, or swaps in plain linear attention), then
 fine-tunes every parameter for the same number of steps on the same batches with the trainer's
 recipe parts and, unless flags change it, the default toy run's recipe (`python trainer/run.py`:
 steps, batch, caption dropout and `OptimConfig`): the loss of `trainer.losses` (flow matching, plus
-distillation from the frozen teacher where the row says so), AdamW with the new parameters (T5 fast
-weights and convs, and re-initialised projections) at `new_lr_mult` times the inherited rate, and
-`trainer.optim.build_scheduler` (warm-up, then cosine). The seed fixes the T5 initialisation and the
-fine-tune batches.
+distillation from the frozen teacher where the row says so), the trainer's AdamW with the new
+parameters (T5 fast weights and convs, and re-initialised projections) at `new_lr_mult` times the
+inherited rate, its schedule (warm-up, then cosine) and its optimizer step (`trainer.optim`). The
+seed fixes the T5 initialisation and the fine-tune batches.
 
 Besides ToyEval at the training size (48 px, 144 image tokens) every run reports the validation
 loss at 4x the tokens (96 px, 576 tokens); `--wide-rows` also get ToyEval at 96 px, where the paper
@@ -28,6 +28,7 @@ import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -36,10 +37,10 @@ from torch import Tensor, nn
 
 from benchmarks.timing import RESULTS_DIR, header_line, write_json
 from t5core.atomic import write_atomic
-from t5core.hosts.diffusers import linearize
 from t5core.sd3_keys import diffusers_module
-from trainer.config import LossConfig, OptimConfig, TrainConfig
-from trainer.optim import build_scheduler
+from trainer.config import LossConfig, ModelConfig, OptimConfig, TrainConfig
+from trainer.model import ParamSplit, build_student
+from trainer.optim import build_optimizer, build_scheduler, optimizer_step
 from trainer.seeds import derived_seed
 from trainer.toy.baselines import PlainLinearAttention, reinit_inherited
 from trainer.toy.data import IMAGE_SIZE, make_batch
@@ -61,8 +62,9 @@ logger = logging.getLogger(__name__)
 
 WIDE_SIZE = 2 * IMAGE_SIZE
 """Image side of the 4x-token evaluation."""
-TEACHER_CACHE = RESULTS_DIR / ".cache"
-"""The teacher's evaluation images, kept between runs (not committed): every sweep compares with them."""
+CACHE = ".cache"
+"""Folder under the results folder for the teacher's evaluation images, kept between runs (not committed):
+every sweep compares with them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,15 +161,17 @@ def build(row: Row, seed: int) -> tuple[nn.Module, list[nn.Parameter], tuple[str
     if row.attention == "softmax":
         return model, [], ()
     torch.manual_seed(seed)
-    handle = linearize(
+    handle = build_student(
         model,
-        layers=row.layers,
-        variant=row.variant,
-        key_norm_eps=row.key_norm_eps,
-        locality=row.locality,
-        joint_mode=row.joint_mode,
-        merge=row.merge,
-        backend="torch",
+        ModelConfig(
+            layers=row.layers,
+            variant=row.variant,
+            key_norm_eps=row.key_norm_eps,
+            locality=row.locality,
+            joint_mode=row.joint_mode,
+            merge=row.merge,
+            backend="torch",
+        ),
     )
     names = handle.config.layers
     new = list(handle.t5_parameters())
@@ -186,14 +190,7 @@ def finetune(
     """Fine-tune every parameter with the trainer's loss and schedule; returns the last training loss."""
     changes = {"new_lr_mult": row.new_lr_mult, "schedule": row.schedule}
     optim = replace(budget.optim, **{name: value for name, value in changes.items() if value is not None})
-    new_ids = {id(p) for p in new}
-    inherited = [p for p in model.parameters() if id(p) not in new_ids]
-    groups = [{"params": inherited, "lr": optim.lr * optim.inherited_lr_mult}]
-    if new:
-        groups.append({"params": new, "lr": optim.lr * optim.new_lr_mult})
-    optimizer = torch.optim.AdamW(
-        groups, betas=(optim.beta1, optim.beta2), eps=optim.eps, weight_decay=optim.weight_decay
-    )
+    optimizer = build_optimizer(model, ParamSplit.everything(model, new=new), optim)
     scheduler = build_scheduler(optimizer, optim, steps=budget.steps)
     loss_config = LossConfig(distill_weight=budget.distill_weight if teacher is not None else 0.0)
     model.train()
@@ -204,11 +201,7 @@ def finetune(
         )
         generator = torch.Generator().manual_seed(derived_seed(seed, "ablation-noise", step))
         loss = batch_loss(model, batch, generator=generator, config=loss_config, teacher=teacher)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
+        optimizer_step(loss, optimizer, scheduler, grad_clip=optim.grad_clip)
         loss_value = loss.item()
         logger.debug("step %d loss %.4f", step, loss_value)
     model.eval()
@@ -253,11 +246,11 @@ def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_images: 
     return result
 
 
-def teacher_eval(count: int) -> tuple[ToyEvalScore, Tensor]:
-    """The shipped teacher's ToyEval on `count` samples, from `TEACHER_CACHE` when this teacher file was
+def teacher_eval(count: int, cache: Path) -> tuple[ToyEvalScore, Tensor]:
+    """The shipped teacher's ToyEval on `count` samples, from the `cache` folder when this teacher file was
     evaluated before (the images are deterministic: fixed captions, noise and weights)."""
     digest = hashlib.sha256(WEIGHTS_FILE.read_bytes()).hexdigest()[:16]
-    path = TEACHER_CACHE / f"teacher-{digest}-{count}.safetensors"
+    path = cache / f"teacher-{digest}-{count}.safetensors"
     if path.is_file():
         images = load_file(path)["images"]
     else:
@@ -323,9 +316,8 @@ def summarise(
     return "\n".join(lines)
 
 
-def _previous(name: str, budget: Budget, plan: EvalPlan) -> list[dict]:
+def _previous(path: Path, budget: Budget, plan: EvalPlan) -> list[dict]:
     """Results of an earlier, interrupted sweep with the same budget and evaluation (to resume), else none."""
-    path = RESULTS_DIR / f"{name}.json"
     if not path.is_file():
         return []
     payload = json.loads(path.read_text())
@@ -350,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-count", type=int, default=180, help="ToyEval samples (180 = every caption once)")
     parser.add_argument("--wide-count", type=int, default=60, help="ToyEval samples at 4x the tokens")
     parser.add_argument("--wide-rows", nargs="*", default=["teacher", "t5", "no-keynorm"])
-    parser.add_argument("--json", default="ablations", help="name of the JSON file under benchmarks/results/")
+    parser.add_argument("--json", default="ablations", help="name of the JSON file under --results-dir")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON goes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     budget = Budget.trainer_default(
@@ -364,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = EvalPlan(args.eval_count, args.wide_count, tuple(args.wide_rows))
     # in the order given, so the rows that matter most run first in a sweep that may be cut short
     rows = tuple(next(r for r in ROWS if r.name == name) for name in dict.fromkeys(args.rows))
-    teacher_score, teacher_images = teacher_eval(plan.count)
+    teacher_score, teacher_images = teacher_eval(plan.count, args.results_dir / CACHE)
     teacher_hits = overall_hits(teacher_images, plan.count)
-    results = _previous(args.json, budget, plan)
+    results = _previous(args.results_dir / f"{args.json}.json", budget, plan)
     meta = {
         "budget": asdict(budget),
         "eval": asdict(plan),
@@ -387,10 +380,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{result['val_loss']:.4f} (4x tokens {result['val_loss_4x']:.4f}), {result['train_seconds']:.0f} s",
                 flush=True,
             )
-            write_json(args.json, results, meta={**meta, "partial": True})
+            write_json(args.json, results, meta={**meta, "partial": True}, directory=args.results_dir)
     table = summarise(ROWS, results, budget, sorted({r["seed"] for r in results}), teacher_hits=teacher_hits)
     print(table)
-    write_json(args.json, results, meta={**meta, "teacher_toyeval": teacher_score.as_dict(), "table": table})
+    meta = {**meta, "teacher_toyeval": teacher_score.as_dict(), "table": table}
+    write_json(args.json, results, meta=meta, directory=args.results_dir)
     return 0
 
 

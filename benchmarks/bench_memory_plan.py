@@ -98,9 +98,9 @@ def _measure(resolution: int) -> dict:
     from trainer.loop import TrainParts, train_step
     from trainer.memory import count_parameters
     from trainer.metrics import MetricsWriter
-    from trainer.model import build_student, split_parameters
+    from trainer.model import build_model
     from trainer.optim import build_optimizer, build_scheduler
-    from trainer.parallelize import apply_activation_checkpointing, apply_ddp, store_frozen_in
+    from trainer.parallelize import apply_activation_checkpointing, parallelize
 
     flags = ["--config", str(RECIPE), "--model.base", "random SD3.5 Medium", "--data.source", "cache"]
     flags += ["--data.path", "(in memory)", "--training.gradient_checkpointing", "false", "--parallel.device", "cpu"]
@@ -112,15 +112,13 @@ def _measure(resolution: int) -> dict:
     torch.manual_seed(0)
     arch = sd35_medium_config()
     base = SD3Transformer2DModel(**arch).eval()
-    handle = build_student(base, config.model)
-    split = split_parameters(handle, config.model, config.optim)
+    handle, split = build_model(base, config)
     result = {"baseline_gib": baseline * 1024 / GIB, "load_gib": _gib_since(baseline)}
     counts = count_parameters(handle, split)
 
     world = init_world(config.parallel)
     student = handle.model.to(world.device).train()
-    store_frozen_in(student, torch.bfloat16)
-    model = apply_ddp(student, world)
+    model = parallelize(student, None, config=config, world=world)
     optimizer = build_optimizer(model, split, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, steps=config.training.steps)
     latent = resolution // VAE_FACTOR

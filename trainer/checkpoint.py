@@ -7,6 +7,8 @@ rank's torch / Python / NumPy RNG) and `state.json` (step, scheduler, data posit
 written last. It is assembled in a hidden temp folder and renamed into place, so a crash mid-write
 leaves the earlier checkpoints untouched. Rank 0 writes the shared files; on a multi-node run the
 output folder must be on a filesystem every node sees.
+
+The resume policy: `resume_path` reads `--checkpoint.resume` before anything is built, `resume_from` loads.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +31,30 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from t5core.attention import param_name
+from trainer.cli import config_from_toml_text
+from trainer.config import TrainConfig
 from trainer.distributed import World
 from trainer.optim import strip_wrapper_prefix
 
-__all__ = ["CheckpointManager", "Resumed"]
+__all__ = ["CheckpointManager", "Resumed", "RunAlreadyFinished", "resume_from", "resume_path"]
 
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "state.json"
+_RESUME_KEYS = (
+    "model.base",
+    "model.layers",
+    "model.variant",
+    "model.key_norm_eps",
+    "model.locality",
+    "model.trainable",
+    "data.source",
+    "data.path",
+    "training.batch_size",
+    "training.seed",
+)
+"""Settings a resumed run must share with its checkpoint (others, such as steps or the backend, may change)."""
 
 
 def _rng_state() -> dict[str, Any]:
@@ -244,3 +261,78 @@ class CheckpointManager:
             logger.warning("Checkpoint: world size changed; ranks keep their fresh RNG seeds")
         logger.info("Checkpoint: resumed from %s (step %d)", path, state["step"])
         return Resumed(path, int(state["step"]), state)
+
+
+class RunAlreadyFinished(Exception):
+    """`--checkpoint.resume auto` found a finished run in the output folder and left it untouched."""
+
+
+def resume_path(config: TrainConfig, checkpoints: CheckpointManager) -> Path | None:
+    """The checkpoint to continue from, None to start fresh, as `--checkpoint.resume` says.
+
+    Raises:
+        RunAlreadyFinished: `auto`, and the newest checkpoint is the last step (nothing to redo).
+        ValueError: `auto`, and the newest checkpoint is past `--training.steps`.
+        FileExistsError: `never`, and the folder holds an earlier run's checkpoints.
+    """
+    mode, steps, wanted = config.checkpoint.resume, checkpoints.steps(), config.training.steps
+    if mode == "force":
+        return None
+    if mode == "never":
+        if steps:
+            raise FileExistsError(
+                f"{checkpoints.folder} holds checkpoints of an earlier run (steps {steps}). Pass "
+                "--checkpoint.resume auto to continue it, force to train again from the start, or choose another "
+                "--output.dir."
+            )
+        return None
+    if mode != "auto":
+        return Path(mode).expanduser()
+    if not steps:
+        return None
+    if steps[-1] == wanted:
+        raise RunAlreadyFinished(
+            f"{checkpoints.folder.parent} holds a finished run (step {wanted} of {wanted}); nothing was changed. "
+            "To train again from the start pass --checkpoint.resume force, to train longer raise --training.steps, "
+            "or choose another --output.dir."
+        )
+    if steps[-1] > wanted:
+        raise ValueError(
+            f"{checkpoints.folder} holds a checkpoint at step {steps[-1]}, past --training.steps {wanted}; nothing "
+            "was changed. Raise --training.steps to at least that, pass --checkpoint.resume force to train again from "
+            "the start, or choose another --output.dir."
+        )
+    return checkpoints.latest()
+
+
+def _flat(config: TrainConfig) -> dict[str, object]:
+    return {f"{section}.{key}": value for section, fields in asdict(config).items() for key, value in fields.items()}
+
+
+def _check_resume_config(saved_text: str, config: TrainConfig) -> None:
+    saved, now = _flat(config_from_toml_text(saved_text)), _flat(config)
+    differ = [
+        f"--{key} {saved[key]!r} -> {now[key]!r}" for key in saved if key in _RESUME_KEYS and saved[key] != now[key]
+    ]
+    if differ:
+        raise ValueError(
+            f"the checkpoint was trained with other settings: {', '.join(differ)}. Resume with the same settings "
+            "or start a new run in another --output.dir."
+        )
+
+
+def resume_from(
+    path: Path | None,
+    checkpoints: CheckpointManager,
+    *,
+    config: TrainConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> int:
+    """Load `path` (from `resume_path`; None: start at 0) into the run and check its settings; returns its step."""
+    if path is None:
+        return 0
+    resumed = checkpoints.load(path, model=model, optimizer=optimizer, scheduler=scheduler)
+    _check_resume_config(resumed.state["config"], config)
+    return resumed.step

@@ -6,8 +6,9 @@ and the untrained parts that share an SD3 tensor with them, such as the rest of 
 rank 0 writes the file through `t5core.weights.save`. Which inherited tensors go in, and their SD3
 names, come from `t5core.convert.base_sources` / `base_tensors`. DDP and one process take the same path.
 
-With `--output.comfyui`, `comfyui_target` checks the ComfyUI folder before training and
-`install_in_comfyui` copies the file and its model card into `models/t5_linearize/` after it, atomically.
+`export_run`, `run_report` and `publish` are the trainer's last steps. With `--output.comfyui`, `comfyui_target`
+checks the ComfyUI folder before training and `install_in_comfyui` copies the file and its model card into
+`models/t5_linearize/` after it, atomically.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -29,16 +30,24 @@ from t5core.attention import T5Attention, file_name
 from t5core.convert import base_sources, base_tensors
 from t5core.hosts.diffusers import T5Handle
 from t5core.weights import save
-from trainer.config import OutputConfig
+from trainer.config import OutputConfig, TrainConfig
 from trainer.distributed import World
-from trainer.model import ParamSplit
-from trainer.model_card import RUN_CARD, card_name, sha256_file
+from trainer.hub import HubTarget, push_to_hub
+from trainer.model import ParamSplit, base_checkpoint_dtype
+from trainer.model_card import RUN_CARD, base_digests, card_name, model_card, sha256_file
+
+if TYPE_CHECKING:
+    from trainer.loop import LoopResult
+    from trainer.memory import MemoryPlan
 
 __all__ = [
     "ComfyTarget",
     "comfyui_target",
+    "export_run",
     "export_weights",
     "install_in_comfyui",
+    "publish",
+    "run_report",
     "t5_parameter_names",
     "write_report",
 ]
@@ -117,6 +126,73 @@ def export_weights(
         str(base_dtype).removeprefix("torch."),
     )
     return written
+
+
+def export_run(config: TrainConfig, handle: T5Handle, split: ParamSplit, world: World, *, steps: int) -> Path:
+    """`export_weights` to `<output.dir>/<output.name>` with the run's provenance (collective); returns the path."""
+    base_dtype = torch.float32 if config.output.base_dtype == "fp32" else base_checkpoint_dtype(config.model)
+    provenance = {
+        "trainer": "trainer/run.py",
+        "steps": steps,
+        "base": config.model.base,
+        "trainable": config.model.trainable,
+        "data": config.data.source,
+        "loss_weights": {key: getattr(config.loss, f"{key}_weight") for key in ("flow", "distill", "feature")},
+        "base_dtype": str(base_dtype).removeprefix("torch."),
+    }
+    weights = Path(config.output.dir).expanduser() / config.output.name
+    export_weights(weights, handle, split, world, provenance=provenance, base_dtype=base_dtype)
+    return weights
+
+
+def run_report(
+    config: TrainConfig,
+    result: LoopResult,
+    *,
+    weights: Path,
+    world: World,
+    handle: T5Handle,
+    split: ParamSplit,
+    memory: MemoryPlan,
+    evaluation: dict[str, Any],
+) -> dict[str, Any]:
+    """The run's report: the loop's end, files, memory plan, what trained, the preset's `{name: evaluation}`."""
+    output = weights.parent
+    return {
+        "step": result.step,
+        "stop_reason": result.stop_reason,
+        "loop_seconds": round(result.seconds, 2),
+        "processes": world.world_size,
+        "parallel": config.parallel.mode,
+        "weights": str(weights),
+        "config": str(output / "config.toml"),
+        "metrics": str(output / "metrics.jsonl"),
+        "last_step": result.last,
+        "memory_plan_gib": {k: round(v, 3) for k, v in memory.components.items()},
+        "parameters": {"new": len(split.new), "inherited": len(split.inherited), "frozen": len(split.frozen)},
+        "converted_layers": list(handle.modules),
+        **evaluation,
+    }
+
+
+def publish(
+    config: TrainConfig,
+    report: dict[str, Any],
+    weights: Path,
+    *,
+    comfyui: ComfyTarget | None,
+    hub: HubTarget | None,
+) -> None:
+    """Write the report and model card beside the weights (rank 0); install in ComfyUI and upload when asked."""
+    output = weights.parent
+    report = {**report, "base_sha256": base_digests(config.model)}
+    write_report(output, report)
+    card = model_card(config, report, weights_name=weights.name)
+    write_text_atomic(output / RUN_CARD, card)
+    if comfyui is not None:
+        install_in_comfyui(comfyui, weights, card)
+    if hub is not None:
+        push_to_hub(hub, weights)
 
 
 def _flatten(section: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

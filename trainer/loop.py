@@ -10,18 +10,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from trainer.checkpoint import CheckpointManager
+from trainer.cli import config_to_toml
 from trainer.config import TrainConfig
 from trainer.data import Batch, BatchPlan, Source
 from trainer.distributed import World
-from trainer.losses import AttentionCapture, add_noise, combine, predict_velocity, sample_sigmas
+from trainer.losses import AttentionCapture, LossTerms, sample_sigmas, step_losses
 from trainer.metrics import MetricsWriter, Progress
+from trainer.optim import optimizer_step
 from trainer.seeds import derived_seed
 
 __all__ = ["LoopResult", "TrainParts", "train_loop", "train_step"]
@@ -43,9 +45,8 @@ class TrainParts:
     checkpoints: CheckpointManager
     metrics: MetricsWriter
     teacher: nn.Module | None = None
-    student_capture: AttentionCapture | None = None
-    teacher_capture: AttentionCapture | None = None
-    extra_state: dict = field(default_factory=dict)
+    captures: tuple[AttentionCapture, AttentionCapture] | None = None
+    """(student, teacher) attention outputs for `--loss.feature_weight`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +59,10 @@ class LoopResult:
     seconds: float
 
 
-def _autocast(parts: TrainParts):
+def _autocast(parts: TrainParts) -> contextlib.AbstractContextManager:
     if parts.config.training.precision == "bf16":
         return torch.autocast(parts.world.device.type, dtype=parts.config.training.dtype)
     return contextlib.nullcontext()
-
-
-def _recording(capture: AttentionCapture | None):
-    return contextlib.nullcontext({}) if capture is None else capture.recording()
 
 
 def _noise(parts: TrainParts, batch: Batch, step: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -79,9 +76,8 @@ def _noise(parts: TrainParts, batch: Batch, step: int) -> tuple[Tensor, Tensor, 
     return noise[rows], sigmas[rows], dropped[rows]
 
 
-def train_step(parts: TrainParts, step: int) -> dict[str, float]:
-    """Run optimizer step `step` (0-based) and return its metrics, averaged over ranks."""
-    device = parts.world.device
+def _load(parts: TrainParts, step: int) -> tuple[Batch, Tensor, Tensor]:
+    """This rank's batch of step `step` with its captions dropped, noise and sigmas, on the device."""
     indices = parts.plan.local_indices(step, rank=parts.world.rank, world_size=parts.world.world_size)
     batch = parts.source.load(indices)
     noise, sigmas, dropped = _noise(parts, batch, step)
@@ -92,44 +88,35 @@ def train_step(parts: TrainParts, step: int) -> dict[str, float]:
             torch.where(dropped.view(-1, 1, 1), context.expand_as(batch.context), batch.context),
             torch.where(dropped.view(-1, 1), pooled.expand_as(batch.pooled), batch.pooled),
         )
-    batch = batch.to(device)
-    noise, sigmas = noise.to(device), sigmas.to(device)
-    x_t = add_noise(batch.latents, noise, sigmas)
-    features = None
-    with _autocast(parts):
-        teacher_prediction = None
-        if parts.teacher is not None:
-            with torch.no_grad(), _recording(parts.teacher_capture) as teacher_out:
-                teacher_prediction = predict_velocity(
-                    parts.teacher, x_t, sigmas, context=batch.context, pooled=batch.pooled
-                )
-        with _recording(parts.student_capture) as student_out:
-            prediction = predict_velocity(parts.model, x_t, sigmas, context=batch.context, pooled=batch.pooled)
-        if parts.config.loss.feature_weight > 0:
-            features = [(student_out[name], teacher_out[name]) for name in parts.student_capture.names]
-        losses = combine(
-            parts.config.loss,
-            prediction=prediction,
-            target=noise - batch.latents,
-            sigmas=sigmas,
-            teacher_prediction=teacher_prediction,
-            features=features,
-        )
-    losses.total.backward()
-    trainable = [p for group in parts.optimizer.param_groups for p in group["params"]]
-    grad_norm = None
-    if parts.config.optim.grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, parts.config.optim.grad_clip)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    lrs = {f"lr/{group['name']}": group["lr"] for group in parts.optimizer.param_groups}
-    parts.optimizer.step()
-    parts.scheduler.step()
-    parts.optimizer.zero_grad(set_to_none=True)
+    device = parts.world.device
+    return batch.to(device), noise.to(device), sigmas.to(device)
+
+
+def _mean_over_ranks(losses: LossTerms, world: World) -> dict[str, float]:
     values = torch.stack([losses.total.detach().float(), *(v.float() for v in losses.terms.values())])
     dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    values = (values / parts.world.world_size).tolist()
-    metrics = {"loss/total": values[0], **{f"loss/{name}": v for name, v in zip(losses.terms, values[1:], strict=True)}}
-    metrics.update(lrs)
+    values = (values / world.world_size).tolist()
+    return {"loss/total": values[0], **{f"loss/{name}": v for name, v in zip(losses.terms, values[1:], strict=True)}}
+
+
+def train_step(parts: TrainParts, step: int) -> dict[str, float]:
+    """Run optimizer step `step` (0-based) and return its metrics, averaged over ranks."""
+    batch, noise, sigmas = _load(parts, step)
+    with _autocast(parts):
+        losses = step_losses(
+            parts.model,
+            batch.latents,
+            noise=noise,
+            sigmas=sigmas,
+            context=batch.context,
+            pooled=batch.pooled,
+            config=parts.config.loss,
+            teacher=parts.teacher,
+            captures=parts.captures,
+        )
+    lrs = {f"lr/{group['name']}": group["lr"] for group in parts.optimizer.param_groups}
+    grad_norm = optimizer_step(losses.total, parts.optimizer, parts.scheduler, grad_clip=parts.config.optim.grad_clip)
+    metrics = {**_mean_over_ranks(losses, parts.world), **lrs}
     if grad_norm is not None:
         metrics["grad_norm"] = float(grad_norm)
     return metrics
@@ -142,12 +129,14 @@ def _out_of_time(parts: TrainParts, deadline: float | None) -> bool:
     return bool(flag.item())
 
 
-def train_loop(parts: TrainParts, *, start_step: int, deadline: float | None) -> LoopResult:
-    """Train from `start_step` until `--training.steps` or the deadline; checkpoint on the way and at the end."""
+def train_loop(parts: TrainParts, *, start_step: int) -> LoopResult:
+    """Train from `start_step` until `--training.steps` or `--training.max_minutes`; checkpoint on the way."""
     config = parts.config
     total = config.training.steps
     progress = Progress(total=total, initial=start_step, enabled=parts.world.is_main and config.output.progress)
     started = time.monotonic()
+    deadline = started + config.training.max_minutes * 60 if config.training.max_minutes else None
+    run_state = {"world_size": parts.world.world_size, "config": config_to_toml(config)}
     step, reason, last = start_step, "steps", {}
     try:
         while step < total:
@@ -171,7 +160,7 @@ def train_loop(parts: TrainParts, *, start_step: int, deadline: float | None) ->
                     model=parts.model,
                     optimizer=parts.optimizer,
                     scheduler=parts.scheduler,
-                    state={**parts.extra_state, "data_position": step},
+                    state={**run_state, "data_position": step},
                 )
             if stop:
                 reason = "time"

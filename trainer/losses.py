@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "predict_velocity",
     "sample_sigmas",
     "shift_sigmas",
+    "step_losses",
 ]
 
 
@@ -166,3 +168,39 @@ class AttentionCapture:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+def _recording(capture: AttentionCapture | None) -> AbstractContextManager[dict[str, Tensor]]:
+    return contextlib.nullcontext({}) if capture is None else capture.recording()
+
+
+def step_losses(
+    model: nn.Module,
+    latents: Tensor,
+    *,
+    noise: Tensor,
+    sigmas: Tensor,
+    context: Tensor,
+    pooled: Tensor,
+    config: LossConfig,
+    teacher: nn.Module | None = None,
+    captures: tuple[AttentionCapture, AttentionCapture] | None = None,
+) -> LossTerms:
+    """One batch's losses: noise `latents` `(B, C, h, w)`, predict with the student and, when given, the frozen
+    teacher (no gradients), `combine`; `captures` (student, teacher) record the outputs the alignment loss reads."""
+    x_t = add_noise(latents, noise, sigmas)
+    teacher_prediction, teacher_out = None, {}
+    if teacher is not None:
+        with torch.no_grad(), _recording(captures and captures[1]) as teacher_out:
+            teacher_prediction = predict_velocity(teacher, x_t, sigmas, context=context, pooled=pooled)
+    with _recording(captures and captures[0]) as student_out:
+        prediction = predict_velocity(model, x_t, sigmas, context=context, pooled=pooled)
+    features = None if captures is None else [(student_out[name], teacher_out[name]) for name in captures[0].names]
+    return combine(
+        config,
+        prediction=prediction,
+        target=noise - latents,
+        sigmas=sigmas,
+        teacher_prediction=teacher_prediction,
+        features=features,
+    )

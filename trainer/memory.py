@@ -8,7 +8,8 @@ and a fixed runtime margin. Loading is a second peak: the trainer moves the fp32
 before it casts or shards, so the plan is the larger of the two. The SD3.5 Medium figures were checked
 against a measured CPU training step (benchmarks/bench_memory_plan.py; within 2% at 256 px).
 `check_plan` adds the run's time estimate (`trainer.time_estimate`, which also defines the
-`ParamCounts` and `RunShape` both estimates read; `count_parameters` and `run_shape` make them).
+`ParamCounts` and `RunShape` both estimates read; `count_parameters` and `run_shape` make them);
+`plan_run` is the trainer's step.
 """
 
 from __future__ import annotations
@@ -19,12 +20,18 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+import torch
+
 from trainer.time_estimate import GPUS, ParamCounts, RunShape, TimeEstimate, estimate_time, find_gpu
 
 if TYPE_CHECKING:
     from t5core.config import BaseArch
+    from torch import nn
+
     from t5core.hosts.diffusers import T5Handle
     from trainer.config import TrainConfig
+    from trainer.data import BatchPlan, Source
+    from trainer.distributed import World
     from trainer.model import ParamSplit
 
 __all__ = [
@@ -33,6 +40,7 @@ __all__ = [
     "check_plan",
     "count_parameters",
     "plan_memory",
+    "plan_run",
     "run_shape",
     "suggest",
 ]
@@ -281,3 +289,42 @@ def check_plan(
         f"the run needs about {plan.total_gib:.1f} GiB per GPU but has {budget_gib:.1f} GiB ({plan.summary()}). "
         f"Try: {hint}."
     )
+
+
+def plan_run(
+    config: TrainConfig,
+    handle: T5Handle,
+    split: ParamSplit,
+    *,
+    source: Source,
+    plan: BatchPlan,
+    world: World,
+    teacher: nn.Module | None,
+) -> MemoryPlan:
+    """`check_plan` for a built run: its largest bucket, batch per rank and teacher, against
+    `--parallel.gpu_memory_gib` or else this machine's GPU (a CPU run has no budget to check)."""
+    patch = handle.model.config.patch_size
+    latent_h, latent_w = max(plan.buckets, key=lambda hw: hw[0] * hw[1])
+    sample = source.load([plan.buckets[(latent_h, latent_w)][0]])
+    shape = run_shape(
+        handle.arch,
+        list(handle.modules),
+        batch_per_rank=config.training.batch_size // world.world_size,
+        image_tokens=(latent_h // patch) * (latent_w // patch),
+        text_tokens=sample.context.shape[1],
+    )
+    budget = config.parallel.gpu_memory_gib or None
+    device_name = torch.cuda.get_device_name(world.device) if world.device.type == "cuda" else None
+    if budget is None and device_name is not None:
+        budget = torch.cuda.get_device_properties(world.device).total_memory / GIB
+    memory = check_plan(
+        config,
+        count_parameters(handle, split),
+        shape,
+        world_size=world.world_size,
+        budget_gib=budget,
+        device_name=device_name,
+        teacher_params=sum(p.numel() for p in teacher.parameters()) if teacher is not None else 0,
+    )
+    logger.info("Memory plan: %s", memory.summary())
+    return memory

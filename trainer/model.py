@@ -12,6 +12,7 @@ import copy
 import json
 import logging
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,13 +21,14 @@ from torch import nn
 
 from t5core.hosts.diffusers import T5Handle, arch_of, linearize
 from t5core.sd3_keys import diffusers_module
-from trainer.config import ModelConfig, OptimConfig
+from trainer.config import ModelConfig, OptimConfig, TrainConfig
 from trainer.presets import get_preset
 from trainer.sources import PipelineFiles, find_text_parts, local_base
 
 __all__ = [
     "ParamSplit",
     "base_checkpoint_dtype",
+    "build_model",
     "build_student",
     "find_pipeline_folder",
     "load_base",
@@ -224,6 +226,17 @@ class ParamSplit:
     inherited: tuple[str, ...]
     frozen: tuple[str, ...]
 
+    @classmethod
+    def everything(cls, model: nn.Module, *, new: Iterable[nn.Parameter] = ()) -> ParamSplit:
+        """Every parameter of `model` trains: those in `new` as new ones, the others as inherited."""
+        new_ids = {id(p) for p in new}
+        named = [(name, id(param) in new_ids) for name, param in model.named_parameters()]
+        return cls(
+            new=tuple(name for name, is_new in named if is_new),
+            inherited=tuple(name for name, is_new in named if not is_new),
+            frozen=(),
+        )
+
 
 def _dead_parameters(handle: T5Handle) -> set[str]:
     """The last block's text-query path: its text outputs are discarded, so these get zero gradient."""
@@ -264,3 +277,17 @@ def split_parameters(handle: T5Handle, model: ModelConfig, optim: OptimConfig) -
         counts["frozen"] / 1e6,
     )
     return split
+
+
+def build_model(base: nn.Module, config: TrainConfig) -> tuple[T5Handle, ParamSplit]:
+    """Convert the base as `--model` says and decide what trains; refuses a run where nothing would."""
+    handle = build_student(base, config.model)
+    if config.loss.feature_weight > 0 and not handle.modules:
+        raise ValueError("--loss.feature_weight aligns converted modules, but --model.layers converts none.")
+    split = split_parameters(handle, config.model, config.optim)
+    if not split.new and not split.inherited:
+        raise ValueError(
+            f"nothing would train: --model.layers {config.model.layers!r} converts no module and --model.trainable "
+            f"{config.model.trainable!r} trains only converted ones. Convert layers or use --model.trainable all."
+        )
+    return handle, split

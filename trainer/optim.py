@@ -1,4 +1,5 @@
-"""AdamW with one parameter group per role (new T5 parameters, trained inherited weights) and the LR schedule."""
+"""AdamW with one parameter group per role (new T5 parameters, trained inherited weights), the LR schedule
+and the optimizer step."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import logging
 import math
 
 import torch
-from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
+from torch import Tensor, nn
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from trainer.config import OptimConfig
 from trainer.model import ParamSplit
 
-__all__ = ["build_optimizer", "build_scheduler", "strip_wrapper_prefix"]
+__all__ = ["build_optimizer", "build_scheduler", "optimizer_step", "strip_wrapper_prefix"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,3 +71,20 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, *, st
         return 1.0
 
     return LambdaLR(optimizer, factor)
+
+
+def optimizer_step(
+    loss: Tensor, optimizer: torch.optim.Optimizer, scheduler: LRScheduler, *, grad_clip: float
+) -> Tensor | None:
+    """Backpropagate `loss`, clip the optimizer's global gradient norm to `grad_clip` (0 = no clipping), step
+    the optimizer and the schedule, clear the gradients. Returns the norm before clipping (None without)."""
+    loss.backward()
+    grad_norm = None
+    if grad_clip > 0:
+        trainable = [p for group in optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, grad_clip)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm

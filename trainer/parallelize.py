@@ -1,7 +1,8 @@
 """Wrap the model for the run: activation checkpointing, then DDP or FSDP2 (torch's own stack).
 
-Each function does one thing and logs "Applied ..." once. Checkpointing goes first, so DDP and FSDP2
-wrap the checkpointed blocks. One process is a world of one and takes the same path.
+Each `apply_*` does one thing and logs "Applied ..." once; `parallelize` places the models on the device
+and applies them as the config says. Checkpointing goes first, so DDP and FSDP2 wrap the checkpointed
+blocks. One process is a world of one and takes the same path.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.config import TrainConfig
 from trainer.distributed import World
 
-__all__ = ["apply_activation_checkpointing", "apply_ddp", "apply_fsdp", "store_frozen_in", "unwrap"]
+__all__ = ["apply_activation_checkpointing", "apply_ddp", "apply_fsdp", "parallelize", "store_frozen_in", "unwrap"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,3 +80,22 @@ def apply_fsdp(model: nn.Module, *, param_dtype: torch.dtype | None, name: str =
 def unwrap(model: nn.Module) -> nn.Module:
     """The module under a DDP wrapper (FSDP2 shards in place, so its module is the model itself)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def parallelize(student: nn.Module, teacher: nn.Module | None, *, config: TrainConfig, world: World) -> nn.Module:
+    """Move the student (training mode) and the teacher to the device; wrap them as `--training` and `--parallel`
+    say (checkpointing, then DDP with frozen weights in bf16 under bf16, or FSDP2). Returns the wrapped student."""
+    student.to(world.device).train()
+    if teacher is not None:
+        teacher.to(world.device)
+    if config.training.gradient_checkpointing:
+        apply_activation_checkpointing(student)
+    bf16 = config.training.dtype if config.training.precision == "bf16" else None
+    if config.parallel.mode == "ddp":
+        if bf16 is not None:
+            store_frozen_in(student, bf16)
+        return apply_ddp(student, world)
+    model = apply_fsdp(student, param_dtype=bf16)
+    if teacher is not None:
+        apply_fsdp(teacher, param_dtype=bf16, name="teacher")
+    return model

@@ -18,8 +18,9 @@ if __package__ in (None, ""):
     # Run as a script: make the repository importable without installing it.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trainer.checkpoint import RunAlreadyFinished
 from trainer.cli import parse_args
-from trainer.train import RunAlreadyFinished, RunResult, run
+from trainer.train import RunResult, run
 
 logger = logging.getLogger("trainer.run")
 

@@ -35,7 +35,7 @@ def _load(recipe: str, *flags: str) -> TrainConfig:
 
 
 def _plan(config: TrainConfig, model: str, gpu_name: str, world_size: int) -> MemoryPlan:
-    """What `trainer.train._plan` prints on `world_size` of `gpu_name`: the model on the meta device,
+    """What `trainer.memory.plan_run` prints on `world_size` of `gpu_name`: the model on the meta device,
     the largest bucket of the recipe's resolution."""
     from diffusers import SD3Transformer2DModel
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trainer.config import LossConfig
-from trainer.losses import add_noise, combine, predict_velocity, sample_sigmas
+from trainer.losses import sample_sigmas, step_losses
 from trainer.toy.data import (
     COLORS,
     IMAGE_SIZE,
@@ -246,7 +246,7 @@ def batch_loss(
     config: LossConfig = _TOY_LOSS,
     teacher: torch.nn.Module | None = None,
 ) -> Tensor:
-    """The trainer's loss (`trainer.losses.combine`) on a toy batch, noise and sigmas from `generator`.
+    """The trainer's loss (`trainer.losses.step_losses`) on a toy batch, noise and sigmas from `generator`.
 
     Args:
         config (`LossConfig`, *optional*): loss weights; defaults to flow matching alone.
@@ -257,19 +257,15 @@ def batch_loss(
     """
     noise = torch.randn(batch.latents.shape, generator=generator)
     sigmas = sample_sigmas(batch.latents.shape[0], generator=generator, config=config)
-    x_t = add_noise(batch.latents, noise, sigmas)
-    context, pooled = batch.encoder_hidden_states, batch.pooled_projections
-    teacher_prediction = None
-    if teacher is not None and config.distill_weight > 0:
-        with torch.no_grad():
-            teacher_prediction = predict_velocity(teacher, x_t, sigmas, context=context, pooled=pooled)
-    prediction = predict_velocity(model, x_t, sigmas, context=context, pooled=pooled)
-    return combine(
-        config,
-        prediction=prediction,
-        target=noise - batch.latents,
+    return step_losses(
+        model,
+        batch.latents,
+        noise=noise,
         sigmas=sigmas,
-        teacher_prediction=teacher_prediction,
+        context=batch.encoder_hidden_states,
+        pooled=batch.pooled_projections,
+        config=config,
+        teacher=teacher if config.distill_weight > 0 else None,
     ).total
 
 

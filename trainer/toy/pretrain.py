@@ -4,8 +4,8 @@
     python -m trainer.toy.pretrain --steps 50     # a quick smoke run
 
 It trains a fresh toy MMDiT on freshly drawn batches with the trainer's parts: the flow-matching loss
-(`trainer.toy.eval.batch_loss` on `trainer.losses`), the warm-up + cosine schedule
-(`trainer.optim.build_scheduler`), the seed streams (`trainer.seeds.derived_seed`: each step's
+(`trainer.toy.eval.batch_loss` on `trainer.losses`), the trainer's AdamW, warm-up + cosine schedule and
+optimizer step (`trainer.optim`), the seed streams (`trainer.seeds.derived_seed`: each step's
 batch, noise and sigmas are fixed by the seed, so a run is reproducible) and the progress bar. It keeps
 an EMA of the weights, writes the EMA weights in SD3
 checkpoint naming (fp16, atomically) with `config.json` beside them, reloads that file and records
@@ -15,20 +15,23 @@ the teacher's ToyEval and validation loss in `toy_sd35.json`.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
+from t5core.atomic import write_atomic, write_text_atomic
 from t5core.sd3_keys import diffusers_to_sd3
 from trainer.cli import add_flags
 from trainer.config import OptimConfig
 from trainer.metrics import Progress
-from trainer.optim import build_scheduler
+from trainer.model import ParamSplit
+from trainer.optim import build_optimizer, build_scheduler, optimizer_step
 from trainer.seeds import derived_seed
-from trainer.toy._io import write_json_atomic, write_safetensors_atomic
 from trainer.toy.data import make_batch
 from trainer.toy.eval import batch_loss, eval_set, sample_hits, toy_eval, validation_loss
 from trainer.toy.model import TOY_CONFIG, WEIGHTS_FILE, build_toy_model, load_toy_base, load_toy_record, toy_arch
@@ -88,9 +91,7 @@ def train_teacher(cfg: PretrainConfig, *, progress: bool = True):
     model = build_toy_model(seed=cfg.seed).train()
     ema = build_toy_model(seed=cfg.seed).eval().requires_grad_(False)
     ema.load_state_dict(model.state_dict())
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), weight_decay=optim.weight_decay
-    )
+    optimizer = build_optimizer(model, ParamSplit.everything(model), optim)
     scheduler = build_scheduler(optimizer, optim, steps=cfg.steps)
     bar = Progress(total=cfg.steps, initial=0, enabled=progress)
     loss_value = float("nan")
@@ -99,11 +100,7 @@ def train_teacher(cfg: PretrainConfig, *, progress: bool = True):
             batch = make_batch(cfg.batch_size, seed=derived_seed(cfg.seed, "toy-batch", step), drop_text=cfg.drop_text)
             generator = torch.Generator().manual_seed(derived_seed(cfg.seed, "noise", step))
             loss = batch_loss(model, batch, generator=generator)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
-            optimizer.step()
-            scheduler.step()
+            optimizer_step(loss, optimizer, scheduler, grad_clip=optim.grad_clip)
             with torch.no_grad():
                 torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1.0 - cfg.ema)
             loss_value = loss.item()
@@ -113,16 +110,21 @@ def train_teacher(cfg: PretrainConfig, *, progress: bool = True):
     return ema, loss_value
 
 
+def _write_json(path: Path, payload: object) -> None:
+    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
 def export_teacher(model, path: Path | str, cfg: PretrainConfig) -> Path:
     """Write the model in SD3 checkpoint naming (ComfyUI-detectable) plus `config.json` beside it."""
     path = Path(path)
     dtype = _DTYPES[cfg.dtype]
     state = diffusers_to_sd3({k: v.to(dtype) for k, v in model.state_dict().items()}, toy_arch())
+    state = {name: tensor.contiguous() for name, tensor in state.items()}
     metadata = {"toy.recipe": str(asdict(cfg)), "toy.format": "sd3-checkpoint-naming"}
-    write_safetensors_atomic(path, state, metadata)
+    write_atomic(path, lambda temp: save_file(state, str(temp), metadata=metadata))
     config = {"_class_name": "SD3Transformer2DModel", **TOY_CONFIG}
     config["dual_attention_layers"] = list(config["dual_attention_layers"])
-    write_json_atomic(path.parent / "config.json", config)
+    _write_json(path.parent / "config.json", config)
     logger.info("wrote %s (%d tensors, %.1f MB)", path, len(state), path.stat().st_size / 2**20)
     return path
 
@@ -144,7 +146,7 @@ def record_teacher(path: Path | str, cfg: PretrainConfig, *, train_seconds: floa
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
-    write_json_atomic(path.with_suffix(".json"), record)
+    _write_json(path.with_suffix(".json"), record)
     return record
 
 

@@ -1,0 +1,41 @@
+"""`benchmarks/ablations.py`: an interrupted sweep resumes from its results file, and only when the
+budget and the evaluation are the same.
+
+Run as subprocesses: tests do not import `benchmarks/`. The row is `t5-zero-ft` (converted, not
+fine-tuned), so each run is an evaluation of two samples; `--steps` still changes the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ROW = "t5-zero-ft"
+
+
+def _sweep(results: Path, *flags: str) -> str:
+    """Run the sweep on one row and seed with two ToyEval samples; returns its stdout."""
+    command = [sys.executable, "-m", "benchmarks.ablations", "--rows", ROW, "--seeds", "0", "--wide-count", "0"]
+    command += ["--results-dir", str(results), "--json", "sweep", *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def _ran(stdout: str) -> bool:
+    return any(line.startswith(ROW) and "seed 0:" in line for line in stdout.splitlines())
+
+
+def test_a_sweep_resumes_only_with_the_same_budget_and_evaluation(tmp_path):
+    assert _ran(_sweep(tmp_path, "--eval-count", "2"))
+    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    assert [(row["row"], row["seed"]) for row in rows] == [(ROW, 0)]
+    assert not _ran(_sweep(tmp_path, "--eval-count", "2"))
+    assert json.loads((tmp_path / "sweep.json").read_text())["rows"] == rows
+    assert _ran(_sweep(tmp_path, "--eval-count", "3"))
+    assert _ran(_sweep(tmp_path, "--eval-count", "3", "--steps", "5"))
