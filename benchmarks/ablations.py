@@ -77,6 +77,7 @@ class Row:
     layers: str = "paper"
     joint_mode: Literal["ttt", "hybrid"] = "ttt"
     merge: Literal["cumulant", "learned"] = "cumulant"
+    neighborhood: int = 0
     variant: str = "swiglu"
     key_norm_eps: float | None = 1.0
     locality: bool = True
@@ -116,6 +117,18 @@ ROWS: tuple[Row, ...] = (
         layers="all",
         joint_mode="hybrid",
         distill=True,
+    ),
+    Row(
+        "paper-na",
+        "T5 paper spec, image rows blended 50/50 with 5x5 neighbourhood softmax (the paper's DiT code)",
+        neighborhood=5,
+    ),
+    Row(
+        "all-hybrid-na",
+        "T5 `all`, joint modules hybrid, image rows blended 50/50 with 5x5 neighbourhood softmax",
+        layers="all",
+        joint_mode="hybrid",
+        neighborhood=5,
     ),
     Row("new-x10", "T5 full, new parameters at 10x instead of 20x", new_lr_mult=10.0),
     Row("constant-lr", "T5 full, constant learning rate after warm-up instead of cosine", schedule="constant"),
@@ -170,6 +183,7 @@ def build(row: Row, seed: int) -> tuple[nn.Module, list[nn.Parameter], tuple[str
             locality=row.locality,
             joint_mode=row.joint_mode,
             merge=row.merge,
+            neighborhood=row.neighborhood,
             backend="torch",
         ),
     )

@@ -90,6 +90,9 @@ class ModelConfig:
     merge: Merge = "cumulant"
     """With `--model.joint_mode hybrid`: how text is weighed against images, by the cumulant estimate of
     the image softmax sum (`cumulant`) or by it plus a learned per-head correction (`learned`)."""
+    neighborhood: int = 0
+    """0, or the odd window side k: every converted module's image rows become 0.5 T5 + 0.5 exact softmax
+    over each image query's k x k neighbourhood (the paper's DiT code uses 5; docs/method.md)."""
     backend: Literal["auto", "torch", "triton"] = "auto"
     """T5 attention backend (`T5_BACKEND` overrides `auto`)."""
     trainable: Literal["t5", "attention", "all"] = "all"
@@ -105,6 +108,11 @@ class ModelConfig:
             self.key_norm_eps is None or self.key_norm_eps > 0,
             "model.key_norm_eps",
             f"must be positive or `none`; got {self.key_norm_eps}.",
+        )
+        _require(
+            self.neighborhood == 0 or (self.neighborhood > 0 and self.neighborhood % 2 == 1),
+            "model.neighborhood",
+            f"must be 0 (off) or an odd window side such as 5; got {self.neighborhood}.",
         )
 
     def _resolve_comfyui_names(self) -> None:

@@ -214,6 +214,7 @@ def build_student(base: nn.Module, config: ModelConfig) -> T5Handle:
         locality=config.locality,
         joint_mode=config.joint_mode,
         merge=config.merge,
+        neighborhood=config.neighborhood,
         backend=config.backend,
     )
 

@@ -105,6 +105,7 @@ def _conversion_section(config: TrainConfig, report: Mapping[str, Any]) -> list[
                 ("locality convs", model.locality),
                 ("joint attention (`--model.joint_mode`)", model.joint_mode),
                 *([("text merge (`--model.merge`)", model.merge)] if model.joint_mode == "hybrid" else []),
+                ("neighbourhood blend (`--model.neighborhood`)", model.neighborhood or "off"),
             ]
         ),
         "",

@@ -113,11 +113,21 @@ def test_each_group_moves_with_its_own_learning_rate(inputs, tmp_path, trainable
     assert max(moved[n] for n in frozen) == 0.0
 
 
-def test_exported_file_reproduces_the_trained_model(inputs, tmp_path):
-    config = config_for(inputs, tmp_path, "--training.steps", "2", "--model.layers", "paper", "--optim.lr", "1e-2")
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param(["--model.layers", "paper"], id="paper"),
+        pytest.param(
+            ["--model.layers", "all", "--model.joint_mode", "hybrid", "--model.neighborhood", "5"], id="all-hybrid-na"
+        ),
+    ],
+)
+def test_exported_file_reproduces_the_trained_model(inputs, tmp_path, mode):
+    config = config_for(inputs, tmp_path, "--training.steps", "2", *mode, "--optim.lr", "1e-2")
     result = run(config)
     fresh = linearize(load_base(config.model), weights=result.weights)
     assert set(fresh.modules) == set(result.handle.modules)
+    assert fresh.config == result.handle.config  # the mode travels in the file
     generator = torch.Generator().manual_seed(0)
     kwargs = dict(
         hidden_states=torch.randn(2, 16, 12, 8, generator=generator),
