@@ -79,15 +79,9 @@ class PretrainConfig:
             raise ValueError(f"--ema must be in [0, 1); got {self.ema}.")
 
 
-def _optim_config(cfg: PretrainConfig) -> OptimConfig:
-    return OptimConfig(
-        lr=cfg.lr, beta2=0.99, warmup_steps=cfg.warmup, schedule="cosine", min_lr_ratio=0.1, grad_clip=1.0
-    )
-
-
 def train_teacher(cfg: PretrainConfig, *, progress: bool = True):
     """Train a fresh toy model; returns the EMA model (float32, eval mode) and the last loss."""
-    optim = _optim_config(cfg)
+    optim = OptimConfig(lr=cfg.lr, beta2=0.99, warmup_steps=cfg.warmup, schedule="cosine", min_lr_ratio=0.1)
     model = build_toy_model(seed=cfg.seed).train()
     ema = build_toy_model(seed=cfg.seed).eval().requires_grad_(False)
     ema.load_state_dict(model.state_dict())
