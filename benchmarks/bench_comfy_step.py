@@ -21,9 +21,10 @@ first N blocks, for smoke tests. A step is `nodes.common_ksampler` with one eule
 cond and uncond (154 text tokens each) batched into one model call of batch 2, which the script
 checks. Softmax is ComfyUI's attention forced to PyTorch SDPA. Each T5 path is the output of the
 `T5Linearize` node, loaded into ComfyUI as a custom node pack, given a file of seeded random T5
-modules for its layer spec: `paper`, `all`, and `<spec>-hybrid` for the same modules with
+modules for its layer spec: `paper`, `all`, `<spec>-hybrid` for the same modules with
 `T5Config.joint_mode = "hybrid"` (exact softmax wherever text takes part, T5 between image tokens;
-only joint `attn` modules change). Before timing, each path's whole step must give finite latents
+only joint `attn` modules change), and a trailing `-na` (`all-hybrid-na`) for the 5x5 neighbourhood
+softmax blended into every converted module's image rows (`T5Config.neighborhood = 5`). Before timing, each path's whole step must give finite latents
 that differ from softmax's, and each timed block finite outputs, else its row says FAIL.
 
 Two ways to get a step's time, and the table says which each row used:
@@ -79,8 +80,9 @@ def parse_args(depth: int) -> argparse.Namespace:
     parser.add_argument("--sizes", type=int, nargs="*", default=[1024], help="sizes (px, square) to measure whole")
     parser.add_argument("--compose", type=int, nargs="*", default=[1024, 2048], help="sizes (px) to compose")
     parser.add_argument(
-        "--specs", nargs="+", default=["paper", "all", "paper-hybrid", "all-hybrid"],
-        help="T5 paths: layer specs (t5core.layers), `<spec>-hybrid` for hybrid joint attention",
+        "--specs", nargs="+", default=["paper", "all", "paper-hybrid", "all-hybrid", "all-hybrid-na"],
+        help="T5 paths: layer specs (t5core.layers), `<spec>-hybrid` for hybrid joint attention, a trailing "
+        "`-na` for the 5x5 neighbourhood blend",
     )  # fmt: skip
     parser.add_argument("--blocks", type=int, default=depth, help=f"joint blocks kept ({depth} = the whole model)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
@@ -142,7 +144,7 @@ def plan(config: dict, blocks: int, specs: list[str]) -> None:
     arch = BaseArch(depth=blocks, heads=heads, head_dim=head_dim, dual_attention_layers=dual)
     shapes = [BlockShape(i in dual, i == blocks - 1) for i in range(blocks)]
     for name in ["softmax", *specs]:
-        layers, joint_mode = ((), "ttt") if name == "softmax" else path_layers(name, arch)
+        layers, joint_mode, _ = ((), "ttt", 0) if name == "softmax" else path_layers(name, arch)
         print(f"{name}: {len(layers)} modules converted")
         for kind, count in Counter(kinds_of(shapes, layers, joint_mode)).items():
             print(f"  {count:>3} x {kind.label()}")
@@ -235,6 +237,7 @@ def _finish(by_path: dict[str, dict[str, Any]], paths: list[StepPath], rows: lis
     for path in paths:
         row = by_path[path.name]
         row["layers"], row["joint_mode"], row["modules"] = list(path.layers), path.joint_mode, len(path.layers)
+        row["neighborhood"] = path.neighborhood
         if row["status"] == "ok" and base["status"] == "ok":
             row["speedup_vs_softmax"] = speedup(base["median_ms"], row["median_ms"])
             row["attention_share"] = row["attention_ms"] / row["median_ms"]

@@ -29,7 +29,7 @@ from t5core.layers import resolve_layers
 from testing.comfy_tiny import write_t5_weights
 
 __all__ = [
-    "CFG", "HYBRID", "TEXT_TOKENS", "Step", "StepPath", "build_model", "convert_paths", "measure_composed",
+    "CFG", "HYBRID", "NEIGHBORHOOD", "TEXT_TOKENS", "Step", "StepPath", "build_model", "convert_paths", "measure_composed",
     "measure_whole", "path_layers",
 ]  # fmt: skip
 
@@ -37,6 +37,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TEXT_TOKENS = 154
 CFG = 4.5
 HYBRID = "-hybrid"
+NEIGHBORHOOD = "-na"
+NEIGHBORHOOD_KERNEL = 5
 
 
 @dataclass
@@ -47,6 +49,7 @@ class StepPath:
     layers: tuple[str, ...]
     joint_mode: str
     patcher: Any
+    neighborhood: int = 0
 
 
 def build_model(config: dict, blocks: int, dtype: torch.dtype):
@@ -101,7 +104,7 @@ def convert_paths(nodes, model, specs: list[str]) -> list[StepPath]:
     weights_dir = Path(folder_paths.get_folder_paths("t5_linearize")[0])
     paths = [StepPath("softmax", (), "ttt", model)]
     for name in specs:
-        layers, joint_mode = path_layers(name, arch)
+        layers, joint_mode, neighborhood = path_layers(name, arch)
         file = f"{name.replace(':', '_').replace(',', '+')}.safetensors"
         write_t5_weights(
             weights_dir / file,
@@ -111,17 +114,21 @@ def convert_paths(nodes, model, specs: list[str]) -> list[StepPath]:
             fast_weight_std=None,
             made_by="bench_comfy_step",
             joint_mode=joint_mode,
+            neighborhood=neighborhood,
         )
         patched = node.execute(model=model, weights=file, layers="", enabled=True).result[0]
-        paths.append(StepPath(name, layers, joint_mode, patched))
+        paths.append(StepPath(name, layers, joint_mode, patched, neighborhood))
     return paths
 
 
-def path_layers(name: str, arch: BaseArch) -> tuple[tuple[str, ...], str]:
-    """A T5 path's converted modules and joint mode: `<spec>` is a layer spec (`t5core.layers`) with
-    joint mode `ttt`, `<spec>-hybrid` the same modules with joint mode `hybrid`."""
+def path_layers(name: str, arch: BaseArch) -> tuple[tuple[str, ...], str, int]:
+    """A T5 path's converted modules, joint mode and neighbourhood window: `<spec>` is a layer spec
+    (`t5core.layers`) with joint mode `ttt`, `<spec>-hybrid` the same modules with joint mode `hybrid`,
+    and a trailing `-na` adds the 5x5 neighbourhood blend (`T5Config.neighborhood`)."""
+    neighborhood = NEIGHBORHOOD_KERNEL if name.endswith(NEIGHBORHOOD) else 0
+    name = name.removesuffix(NEIGHBORHOOD)
     spec, joint_mode = (name[: -len(HYBRID)], "hybrid") if name.endswith(HYBRID) else (name, "ttt")
-    return resolve_layers(spec, arch), joint_mode
+    return resolve_layers(spec, arch), joint_mode, neighborhood
 
 
 class Step:

@@ -43,6 +43,7 @@ def write_t5_weights(
     made_by: str = "tests",
     joint_mode: str = "ttt",
     merge: str = "cumulant",
+    neighborhood: int = 0,
 ) -> Path:
     """A T5 weights file with seeded random swiglu modules for `layers`.
 
@@ -62,15 +63,15 @@ def write_t5_weights(
             `base.*` tensors (fine-tuned inherited weights, SD3 key names). Default: none.
         made_by (`str`):
             The file's provenance. Default: `"tests"`.
-        joint_mode, merge (`str`):
+        joint_mode, merge (`str`), neighborhood (`int`):
             `T5Config` settings; a learned merge bias is drawn from N(0, 1) so that it matters.
-            Default: `"ttt"`, `"cumulant"`.
+            Default: `"ttt"`, `"cumulant"`, `0`.
 
     Returns:
         `path`.
     """
     torch.manual_seed(seed)
-    config = T5Config("swiglu", 1.0, True, layers, joint_mode=joint_mode, merge=merge)
+    config = T5Config("swiglu", 1.0, True, layers, joint_mode=joint_mode, merge=merge, neighborhood=neighborhood)
     modules = {name: T5Attention.from_config(config, arch.heads, arch.head_dim, layer=name) for name in layers}
     with torch.no_grad():
         for module in modules.values():
