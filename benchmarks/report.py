@@ -89,9 +89,11 @@ def _hybrid_attention(result: Result) -> list[str]:
         f"One joint attention call: batch {meta['batch']}, {meta['heads']} heads x {meta['head_dim']}, "
         f"{meta['dtype']}, a square image grid plus {result['rows'][0]['text_tokens']} text tokens, threads: "
         f"{meta['threads']}. `T5 ttt`: T5 over all tokens (the paper's joint mode); `hybrid`: exact softmax "
-        "wherever text takes part, T5 between image tokens. Fraction = T5 time / SDPA time; growth over the "
-        "previous row's image tokens."
+        "wherever text takes part, T5 between image tokens; `+ NA`: hybrid with the 5x5 neighbourhood softmax "
+        "blended into the image rows. Fraction = T5 time / SDPA time; growth over the previous row's image tokens."
     )
+    # rows measured before the neighbourhood blend existed have no `hybrid_na` columns
+    paths = ("t5", "hybrid", "hybrid_na") if "fwd_hybrid_na_ms" in result["rows"][0] else ("t5", "hybrid")
     rows = []
     for row in result["rows"]:
         if row["status"] != "ok":
@@ -105,14 +107,15 @@ def _hybrid_attention(result: Result) -> list[str]:
                 [
                     row["image_tokens"],
                     "forward" if kind == "fwd" else "forward + backward",
-                    *(_ms(row[f"{kind}_{path}_ms"]) for path in ("sdpa", "t5", "hybrid")),
-                    *(f"{row[f'{kind}_{path}_fraction_of_sdpa']:.3f}" for path in ("t5", "hybrid")),
+                    *(_ms(row[f"{kind}_{path}_ms"]) for path in ("sdpa", *paths)),
+                    *(f"{row[f'{kind}_{path}_fraction_of_sdpa']:.3f}" for path in paths),
                     _x(row[f"{kind}_hybrid_speedup_vs_sdpa"]),
                     f"{growth:.2f}x" if growth else "-",
                 ]
             )
-    header = ["image N", "pass", "SDPA ms", "T5 ttt ms", "hybrid ms", "ttt fraction", "hybrid fraction",
-              "hybrid speedup", "hybrid growth"]  # fmt: skip
+    names = {"t5": "T5 ttt", "hybrid": "hybrid", "hybrid_na": "hybrid + NA"}
+    header = ["image N", "pass", "SDPA ms", *(f"{names[p]} ms" for p in paths),
+              *(f"{names[p]} fraction" for p in paths), "hybrid speedup", "hybrid growth"]  # fmt: skip
     goals = [f"* goal: {goal}" for goal in meta.get("goals", [])]
     return [intro, "", *_table(header, rows), *([""] + goals if goals else [])]
 
