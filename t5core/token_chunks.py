@@ -113,11 +113,18 @@ class TokenChunks:
             out_BHND.transpose(1, 2).copy_(prepare(x[:, chunk.tokens]))
             return out_BHND
         weight, bias = conv
-        slab = self.slab(x, chunk, prepare)
         bias = None if bias is None else bias.float()
-        conv_out = F.conv2d(slab, weight.float(), bias, padding=(0, 1), groups=slab.shape[1])
+        if chunk.rows == (0, self.grid[0]):
+            # the band is the whole image: the conv's own zero padding, no slab to pad and copy
+            image = prepare(x[:, chunk.tokens]).reshape(batch, *self.grid, -1).permute(0, 3, 1, 2)
+            conv_out = F.conv2d(image, weight.float(), bias, padding=1, groups=image.shape[1])
+            centre = image
+        else:
+            slab = self.slab(x, chunk, prepare)
+            conv_out = F.conv2d(slab, weight.float(), bias, padding=(0, 1), groups=slab.shape[1])
+            centre = slab[:, :, 1:-1]
         # both are channels-last, so (B, rows, w, C) and then (B, n, H, D) are views
-        centre, conv_out = (y.permute(0, 2, 3, 1).reshape(batch, -1, heads, dim) for y in (slab[:, :, 1:-1], conv_out))
+        centre, conv_out = (y.permute(0, 2, 3, 1).reshape(batch, -1, heads, dim) for y in (centre, conv_out))
         torch.add(centre, conv_out, out=out_BHND.transpose(1, 2))
         return out_BHND
 

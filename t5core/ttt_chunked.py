@@ -49,9 +49,29 @@ ops, each a multi-threaded region; when other processes hold the cores each regi
 threads, so small chunks lose most under load. 2048 is the compromise: within a third of the best
 time when quiet, the best under load, fewer kernel launches on a GPU, and under half of issue 12's
 memory budget (two inputs, 192 MiB here).
+
+Fixed cost (issue 20). One call's cost is its ~330 aten ops (about 60 per chunk); at small N they are
+bmm with (D, D) weights and elementwise passes, not Python. Sampling (no input requires grad) calls
+`_forward` directly, without the autograd node; on a CPU it runs heads in groups of
+`HEAD_GROUP_BYTES` (every step is per head) so the elementwise passes stay in cache. One chunk takes
+`torch.var_mean` for the key statistics and a whole-image band takes the conv's own padding (no
+slab copy). Measured in one process against SDPA (forward, no grad, 1 thread, medians, load 4 on
+2 cores; 4 heads x 64 at 144 and 576 tokens, batch 2; 24 x 64 at 1024, batch 2, and 4096 + 154
+text, batch 1), ms and T5 / SDPA before -> after:
+
+    tokens               144            576            1024            4096 + 154
+    before         4.24 (6.15x)  19.6 (2.04x)   168 (1.00x)    291 (0.20x)
+    after          4.18 (6.06x)  18.9 (1.97x)   161 (0.95x)    246 (0.17x)
+    SDPA           0.69          9.6            169            1472
+
+T5's matmuls are 18 N D^2 flops per head against SDPA's 4 N^2 D: twice SDPA's at 144 tokens, half
+at 576; they run as small bmm with (D, D) weights at about half SDPA's rate, and the elementwise
+passes add the rest.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor
@@ -64,6 +84,9 @@ from t5core.ttt import inner_apply, inner_grads, silu_and_grad_
 __all__ = ["DEFAULT_CHUNK_TOKENS", "chunked_attention", "t5_attention_chunked"]
 
 DEFAULT_CHUNK_TOKENS = 2048
+HEAD_GROUP_BYTES = 4 << 20
+"""Without autograd on a CPU, heads run in groups whose (B, heads, n, D) fp32 chunk tensors fit this
+(module docstring, Fixed cost): the forward's ~50 elementwise passes then stay in the last-level cache."""
 
 
 def _silu_grads_(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -91,8 +114,12 @@ def _key_stats(k: Tensor, chunks: list[Chunk], eps: float) -> tuple[Tensor, Tens
     """Per sample and channel mean and 1 / sqrt(biased variance + eps) over all tokens, `(B, 1, H, D)`.
 
     Each chunk's mean and sum of squared deviations (two passes over the chunk) are merged with Chan's
-    pairwise update, which keeps the variance exact where a sum of squares would cancel.
+    pairwise update, which keeps the variance exact where a sum of squares would cancel. One chunk
+    needs no merge: `torch.var_mean`, as the reference has it.
     """
+    if len(chunks) == 1:
+        var, mean = torch.var_mean(k.float(), dim=1, keepdim=True, correction=0)
+        return mean, torch.rsqrt(var + eps)
     mean = torch.zeros(k.shape[0], 1, *k.shape[2:], dtype=torch.float32, device=k.device)
     m2 = torch.zeros_like(mean)
     count = 0
@@ -112,7 +139,7 @@ def _key_prepare(stats: tuple[Tensor, Tensor] | None) -> Prepare:
     if stats is None:
         return _to_float
     mean, rstd = stats
-    return lambda x: (x.float() - mean) * rstd
+    return lambda x: (x.float() - mean).mul_(rstd)
 
 
 def _apply_backward(q: Tensor, grad: Tensor, fast: tuple[Tensor, ...], variant: str) -> tuple[Tensor, tuple]:
@@ -199,10 +226,15 @@ def _forward(
     stats = None if layout.key_norm_eps is None else _key_stats(k, plan.chunks, layout.key_norm_eps)
     keys = _key_prepare(stats)
     c = layout.head_dim**-0.5 / layout.tokens
-    sums = [torch.zeros(layout.batch, *w.shape, dtype=torch.float32, device=q.device) for w in weights]
+    sums = None
     for chunk in plan.chunks:
         k_BHND = plan.local(k, chunk, k_conv, keys)
-        _accumulate(sums, inner_grads(k_BHND, _heads_first(v[:, chunk.tokens]), weights, layout.variant, c=c))
+        shares = inner_grads(k_BHND, _heads_first(v[:, chunk.tokens]), weights, layout.variant, c=c)
+        # the first chunk's shares start the sums (no zero-filled buffers to add them into)
+        if sums is None:
+            sums = list(shares)
+        else:
+            _accumulate(sums, shares)
     fast = tuple(w - g for w, g in zip(weights, sums, strict=True))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for chunk in plan.chunks:
@@ -254,6 +286,42 @@ def _cast(grads: list[Tensor | None], conv: Conv | None) -> tuple[Tensor | None,
     if conv is None:
         return None, None
     return tuple(None if p is None else g.to(p.dtype) for g, p in zip(grads, conv, strict=True))
+
+
+def _head_slice(conv: Conv | None, heads: slice, head_dim: int) -> Conv | None:
+    if conv is None:
+        return None
+    channels = slice(heads.start * head_dim, heads.stop * head_dim)
+    return tuple(None if p is None else p[channels] for p in conv)
+
+
+def _forward_by_heads(
+    layout: T5Layout, plan: TokenChunks, q: Tensor, k: Tensor, v: Tensor, params: T5Params
+) -> Tensor:
+    """`_forward`'s output with nothing to differentiate (sampling), in groups of heads whose chunk
+    temporaries fit `HEAD_GROUP_BYTES`, with no autograd node and no saved tensors.
+
+    Every step is per sample and head (the key statistics per channel, the convs depthwise, the inner
+    model per head), so a group of heads is the same math on fewer heads.
+    """
+    n_max = max(chunk.stop - chunk.start for chunk in plan.chunks)
+    per_head = layout.batch * n_max * layout.head_dim * 4
+    # on a GPU one launch per op over all heads is better; the groups are for a CPU's caches
+    group = max(1, min(layout.heads, HEAD_GROUP_BYTES // per_head)) if q.device.type == "cpu" else layout.heads
+    weights = tuple(w.float() for w in params.weights)
+    if group == layout.heads:
+        return _forward(layout, plan, q, k, v, T5Params(weights, params.q_conv, params.k_conv))[0]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for h0 in range(0, layout.heads, group):
+        heads = slice(h0, min(h0 + group, layout.heads))
+        part = T5Params(
+            tuple(w[heads] for w in weights),
+            _head_slice(params.q_conv, heads, layout.head_dim),
+            _head_slice(params.k_conv, heads, layout.head_dim),
+        )
+        part_layout = dataclasses.replace(layout, heads=heads.stop - heads.start)
+        out[:, :, heads] = _forward(part_layout, plan, q[:, :, heads], k[:, :, heads], v[:, :, heads], part)[0]
+    return out
 
 
 class _ChunkedT5Function(torch.autograd.Function):
@@ -322,7 +390,10 @@ def chunked_attention(
     )
     convs = (*(params.q_conv or (None, None)), *(params.k_conv or (None, None)))
     with torch.autocast(device_type=q.device.type, enabled=False):
-        return _ChunkedT5Function.apply(layout, plan, q, k, v, *convs, *params.weights)
+        tensors = (q, k, v, *convs, *params.weights)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+            return _ChunkedT5Function.apply(layout, plan, q, k, v, *convs, *params.weights)
+        return _forward_by_heads(layout, plan, q, k, v, params)
 
 
 def t5_attention_chunked(

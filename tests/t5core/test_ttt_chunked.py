@@ -11,6 +11,8 @@ import math
 import pytest
 import torch
 
+from t5core import ttt_chunked
+from t5core.contract import fast_weight_names
 from t5core.token_chunks import TokenChunks
 from t5core.ttt import t5_attention_ref
 from t5core.ttt_chunked import t5_attention_chunked
@@ -49,6 +51,43 @@ def _compare(case: Case, chunk_tokens: int) -> None:
 @pytest.mark.parametrize(("case", "chunk_tokens"), [pytest.param(*c, id=f"{c[0].id}-chunk{c[1]}") for c in CASES])
 def test_matches_reference_forward_and_backward(case: Case, chunk_tokens: int):
     _compare(case, chunk_tokens)
+
+
+@pytest.mark.parametrize(
+    ("case", "chunk_tokens"),
+    [
+        pytest.param(Case(2, 2, 16, (5, 7), 11, True, "swiglu", f32), 14, id="chunks"),
+        pytest.param(Case(1, 2, 16, (4, 6), 3, False, "mlp", f16), 1000, id="one-chunk"),
+    ],
+)
+@pytest.mark.parametrize("head_groups", [False, True], ids=["all-heads", "one-head-per-group"])
+def test_without_grad_gives_the_output_of_the_autograd_path(
+    case: Case, chunk_tokens: int, head_groups: bool, monkeypatch: pytest.MonkeyPatch
+):
+    # sampling calls the forward directly, without the autograd node: the same bits with all heads
+    # at once; one head at a time is the same math (every step is per head), checked as the rest
+    if head_groups:
+        monkeypatch.setattr(ttt_chunked, "HEAD_GROUP_BYTES", 1)
+    leaves = make_leaves(case, torch.device("cpu"))
+    out = run(functools.partial(t5_attention_chunked, chunk_tokens=chunk_tokens), case, leaves)["out"]
+    conv = {name: (leaves[f"{name}.weight"], leaves[f"{name}.bias"]) for name in ("q_conv", "k_conv")}
+    with torch.no_grad():
+        no_grad = t5_attention_chunked(
+            leaves["q"],
+            leaves["k"],
+            leaves["v"],
+            chunk_tokens=chunk_tokens,
+            weights=tuple(leaves[name] for name in fast_weight_names(case.variant)),
+            variant=case.variant,
+            **conv,
+            grid=case.grid,
+            text_tokens=case.text,
+            text_first=case.text_first,
+        )
+    if head_groups:
+        assert_close("out", out, no_grad, CHUNKED_RATIO[case.dtype])
+    else:
+        assert torch.equal(no_grad, out)
 
 
 def test_writes_every_element_it_allocates_empty(monkeypatch: pytest.MonkeyPatch):
