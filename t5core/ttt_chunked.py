@@ -115,11 +115,13 @@ def _key_stats(k: Tensor, chunks: list[Chunk], eps: float) -> tuple[Tensor, Tens
 
     Each chunk's mean and sum of squared deviations (two passes over the chunk) are merged with Chan's
     pairwise update, which keeps the variance exact where a sum of squares would cancel. One chunk
-    needs no merge: `torch.var_mean`, as the reference has it.
+    needs no merge and no zero-filled accumulators (the same values; `torch.var_mean` over dim 1 of
+    this layout measured 8x slower than these two passes on a CPU).
     """
     if len(chunks) == 1:
-        var, mean = torch.var_mean(k.float(), dim=1, keepdim=True, correction=0)
-        return mean, torch.rsqrt(var + eps)
+        x = k.float()
+        mean = x.sum(1, keepdim=True) / k.shape[1]
+        return mean, torch.rsqrt((x - mean).square_().sum(1, keepdim=True) / k.shape[1] + eps)
     mean = torch.zeros(k.shape[0], 1, *k.shape[2:], dtype=torch.float32, device=k.device)
     m2 = torch.zeros_like(mean)
     count = 0
