@@ -115,8 +115,9 @@ class TokenChunks:
         weight, bias = conv
         bias = None if bias is None else bias.float()
         if chunk.rows == (0, self.grid[0]):
-            # the band is the whole image: the conv's own zero padding, no slab to pad and copy
-            image = prepare(x[:, chunk.tokens]).reshape(batch, *self.grid, -1).permute(0, 3, 1, 2)
+            # the band is the whole image: the conv's own zero padding, no slab to pad and copy; a slice
+            # of heads is made dense (else the conv copies it to channels-first, 8x slower)
+            image = prepare(x[:, chunk.tokens]).contiguous().reshape(batch, *self.grid, -1).permute(0, 3, 1, 2)
             conv_out = F.conv2d(image, weight.float(), bias, padding=1, groups=image.shape[1])
             centre = image
         else:

@@ -50,23 +50,22 @@ threads, so small chunks lose most under load. 2048 is the compromise: within a 
 time when quiet, the best under load, fewer kernel launches on a GPU, and under half of issue 12's
 memory budget (two inputs, 192 MiB here).
 
-Fixed cost (issue 20). One call's cost is its ~330 aten ops (about 60 per chunk); at small N they are
-bmm with (D, D) weights and elementwise passes, not Python. Sampling (no input requires grad) calls
+Fixed cost (issue 20). At small N a call's cost is its aten ops (about 60 per chunk): bmm with
+(D, D) weights and elementwise passes, not Python. Sampling (no input requires grad) calls
 `_forward` directly, without the autograd node; on a CPU it runs heads in groups of
-`HEAD_GROUP_BYTES` (every step is per head) so the elementwise passes stay in cache. One chunk takes
-`torch.var_mean` for the key statistics and a whole-image band takes the conv's own padding (no
-slab copy). Measured in one process against SDPA (forward, no grad, 1 thread, medians, load 4 on
-2 cores; 4 heads x 64 at 144 and 576 tokens, batch 2; 24 x 64 at 1024, batch 2, and 4096 + 154
-text, batch 1), ms and T5 / SDPA before -> after:
+`HEAD_GROUP_BYTES` (every step is per head) so the elementwise passes stay in cache. One chunk's key
+statistics skip the merge, and a whole-image band takes the conv's own padding (no slab copy).
+Measured in one process against SDPA, before (15c0262) and after, calls alternated (forward, no
+grad, 1 thread, medians, load 3-4 on 2 cores; 4 heads x 64 at 144 and 576 tokens, batch 2; 24 x 64
+at 1024, batch 2, and at 4096 + 154 text, batch 1), ms and the fraction of SDPA's time:
 
-    tokens               144            576            1024            4096 + 154
-    before         4.24 (6.15x)  19.6 (2.04x)   168 (1.00x)    291 (0.20x)
-    after          4.18 (6.06x)  18.9 (1.97x)   161 (0.95x)    246 (0.17x)
-    SDPA           0.69          9.6            169            1472
+    tokens            144            576            1024           4096 + 154
+    before       4.39 (6.33x)   14.6 (1.72x)   142 (0.90x)    284 (0.20x)
+    after        3.61 (5.21x)   12.5 (1.47x)   119 (0.76x)    260 (0.18x)
+    SDPA         0.69            8.5           157            1421
 
 T5's matmuls are 18 N D^2 flops per head against SDPA's 4 N^2 D: twice SDPA's at 144 tokens, half
-at 576; they run as small bmm with (D, D) weights at about half SDPA's rate, and the elementwise
-passes add the rest.
+at 576; they run as small bmm at about half SDPA's rate, and the elementwise passes add the rest.
 """
 
 from __future__ import annotations
