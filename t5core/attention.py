@@ -22,7 +22,7 @@ from t5core.backend import attend
 from t5core.config import T5Config
 from t5core.contract import T5Layout, Variant, check_call, fast_weight_names
 from t5core.hybrid import MERGES, Merge, hybrid_attention
-from t5core.neighborhood import NEIGHBORHOOD_BLEND, neighborhood_attention
+from t5core.neighborhood import NEIGHBORHOOD_BLEND, check_neighborhood, neighborhood_attention
 from t5core.ttt import join_image, split_image
 
 __all__ = ["FastWeights", "T5Attention", "file_name", "param_name"]
@@ -102,8 +102,7 @@ class T5Attention(nn.Module):
             raise ValueError(f"heads and head_dim must be positive; got heads={heads}, head_dim={head_dim}.")
         if merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}; got {merge!r}.")
-        if neighborhood < 0 or (neighborhood and neighborhood % 2 == 0):
-            raise ValueError(f"neighborhood must be 0 (off) or an odd window side; got {neighborhood}.")
+        check_neighborhood(neighborhood)
         self.heads, self.head_dim = heads, head_dim
         self.variant, self.key_norm_eps, self.locality, self.backend = variant, key_norm_eps, locality, backend
         self.exact_text, self.merge, self.neighborhood = exact_text, merge, neighborhood

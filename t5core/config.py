@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 from t5core.contract import Variant, check_variant
 from t5core.hybrid import JOINT_MODES, MERGES, JointMode, Merge
+from t5core.neighborhood import check_neighborhood
 
 __all__ = ["BaseArch", "T5Config"]
 
@@ -109,8 +110,7 @@ class T5Config:
             raise ValueError(f"joint_mode must be one of {JOINT_MODES}; got {self.joint_mode!r}.")
         if self.merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}; got {self.merge!r}.")
-        if self.neighborhood < 0 or (self.neighborhood and self.neighborhood % 2 == 0):
-            raise ValueError(f"neighborhood must be 0 (off) or an odd window side; got {self.neighborhood}.")
+        check_neighborhood(self.neighborhood)
         object.__setattr__(self, "layers", tuple(self.layers))
 
     def exact_text(self, layer: str) -> bool:

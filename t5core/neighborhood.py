@@ -27,7 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["NEIGHBORHOOD_BLEND", "neighborhood_attention", "window_starts"]
+__all__ = [
+    "NEIGHBORHOOD_BLEND",
+    "check_neighborhood",
+    "is_neighborhood",
+    "neighborhood_attention",
+    "window_starts",
+]
 
 NEIGHBORHOOD_BLEND = 0.5
 """The neighbourhood share of a blended image output (the paper's DiT code: 0.5 NA + 0.5 TTT)."""
@@ -35,6 +41,17 @@ TILE = 8
 """Query tile side T."""
 ROWS_PER_SLAB = 32
 """Image rows per fused call: bounds the gathered key regions at 2K (128 x 128 tokens) to 1/4 of the keys."""
+
+
+def is_neighborhood(window: int) -> bool:
+    """Whether `window` is a valid `neighborhood` setting: 0 (no blend) or an odd window side."""
+    return window == 0 or (window > 0 and window % 2 == 1)
+
+
+def check_neighborhood(window: int) -> None:
+    """Raise `ValueError` unless `is_neighborhood(window)` (`T5Config` and `T5Attention` call it)."""
+    if not is_neighborhood(window):
+        raise ValueError(f"neighborhood must be 0 (off) or an odd window side; got {window}.")
 
 
 def window_starts(size: int, kernel: int, positions: Tensor) -> Tensor:

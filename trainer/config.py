@@ -17,6 +17,7 @@ import torch
 
 from t5core.contract import Variant
 from t5core.hybrid import JointMode, Merge
+from t5core.neighborhood import is_neighborhood
 
 __all__ = [
     "CheckpointConfig",
@@ -110,7 +111,7 @@ class ModelConfig:
             f"must be positive or `none`; got {self.key_norm_eps}.",
         )
         _require(
-            self.neighborhood == 0 or (self.neighborhood > 0 and self.neighborhood % 2 == 1),
+            is_neighborhood(self.neighborhood),
             "model.neighborhood",
             f"must be 0 (off) or an odd window side such as 5; got {self.neighborhood}.",
         )
