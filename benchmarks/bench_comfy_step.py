@@ -24,8 +24,9 @@ checks. Softmax is ComfyUI's attention forced to PyTorch SDPA. Each T5 path is t
 modules for its layer spec: `paper`, `all`, `<spec>-hybrid` for the same modules with
 `T5Config.joint_mode = "hybrid"` (exact softmax wherever text takes part, T5 between image tokens;
 only joint `attn` modules change), and a trailing `-na` (`all-hybrid-na`) for the 5x5 neighbourhood
-softmax blended into every converted module's image rows (`T5Config.neighborhood = 5`). Before timing, each path's whole step must give finite latents
-that differ from softmax's, and each timed block finite outputs, else its row says FAIL.
+softmax blended into every converted module's image rows (`T5Config.neighborhood = 5`; each row
+records the windows of the T5 modules its step ran). Before timing, each path's whole step must give
+finite latents that differ from softmax's, and each timed block finite outputs, else its row says FAIL.
 
 Two ways to get a step's time, and the table says which each row used:
 
@@ -189,6 +190,7 @@ def main() -> None:
                     result.pop("latents", None)
                     calls |= step.calls
                     measured[path.name] = {"size": size, "path": path.name, "step": "measured", **result}
+                    measured[path.name]["windows"] = step.windows()
                 _finish(measured, paths, rows)
                 _save(args, config, rows, comfyui=comfyui_version.__version__, calls=calls, memory=memory)
             if size in args.compose:
@@ -197,7 +199,7 @@ def main() -> None:
                     step = Step(nodes, path, config, size, clock)
                     result = measure_composed(step, path, shapes, warmup=args.warmup, reps=args.reps, memory=memory)
                     calls |= step.calls
-                    row = {"size": size, "path": path.name, "step": "composed", **result}
+                    row = {"size": size, "path": path.name, "step": "composed", **result, "windows": step.windows()}
                     if measured.get(path.name, {}).get("status") == "ok" and result["status"] == "ok":
                         row["composed_vs_measured"] = result["median_ms"] / measured[path.name]["median_ms"]
                         row["peak_composed_vs_measured"] = result["peak_mib"] / measured[path.name]["peak_mib"]
@@ -237,7 +239,6 @@ def _finish(by_path: dict[str, dict[str, Any]], paths: list[StepPath], rows: lis
     for path in paths:
         row = by_path[path.name]
         row["layers"], row["joint_mode"], row["modules"] = list(path.layers), path.joint_mode, len(path.layers)
-        row["neighborhood"] = path.neighborhood
         if row["status"] == "ok" and base["status"] == "ok":
             row["speedup_vs_softmax"] = speedup(base["median_ms"], row["median_ms"])
             row["attention_share"] = row["attention_ms"] / row["median_ms"]

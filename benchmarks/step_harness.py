@@ -29,8 +29,8 @@ from t5core.layers import resolve_layers
 from testing.comfy_tiny import write_t5_weights
 
 __all__ = [
-    "CFG", "HYBRID", "NEIGHBORHOOD", "TEXT_TOKENS", "Step", "StepPath", "build_model", "convert_paths", "measure_composed",
-    "measure_whole", "path_layers",
+    "CFG", "HYBRID", "NEIGHBORHOOD", "TEXT_TOKENS", "Step", "StepPath", "build_model", "convert_paths",
+    "measure_composed", "measure_whole", "path_layers",
 ]  # fmt: skip
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +49,6 @@ class StepPath:
     layers: tuple[str, ...]
     joint_mode: str
     patcher: Any
-    neighborhood: int = 0
 
 
 def build_model(config: dict, blocks: int, dtype: torch.dtype):
@@ -117,7 +116,7 @@ def convert_paths(nodes, model, specs: list[str]) -> list[StepPath]:
             neighborhood=neighborhood,
         )
         patched = node.execute(model=model, weights=file, layers="", enabled=True).result[0]
-        paths.append(StepPath(name, layers, joint_mode, patched, neighborhood))
+        paths.append(StepPath(name, layers, joint_mode, patched))
     return paths
 
 
@@ -172,6 +171,10 @@ class Step:
             return executor(x, *args, **kwargs)
 
         return wrapper
+
+    def windows(self) -> list[int]:
+        """The neighbourhood windows of the T5 modules this step runs (0: no blend; none for softmax)."""
+        return sorted({module.neighborhood for module in self.t5_modules})
 
     def replace_blocks(self, make) -> None:
         """Route every joint block `i` through `make(i)`, a ComfyUI `dit` double-block replacement."""

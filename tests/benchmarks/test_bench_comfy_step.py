@@ -56,6 +56,7 @@ TOY_KINDS = {
     "softmax": {"attn2 block: joint softmax, attn2 softmax": 1, "last block: joint softmax, attn2 softmax": 1},
     "paper": {"attn2 block: joint softmax, attn2 T5": 1, "last block: joint T5, attn2 T5": 1},
     "all-hybrid": {"attn2 block: joint hybrid, attn2 T5": 1, "last block: joint hybrid, attn2 T5": 1},
+    "all-hybrid-na": {"attn2 block: joint hybrid, attn2 T5": 1, "last block: joint hybrid, attn2 T5": 1},
 }
 
 
@@ -64,7 +65,7 @@ def test_whole_and_composed_step_at_toy_size(tmp_path):
     out = _run(
         "benchmarks.bench_comfy_step",
         "--blocks", "2", "--sizes", "64", "--compose", "64", "--warmup", "1", "--reps", "2",
-        "--specs", "paper", "all-hybrid", f"--comfyui={tree}", f"--results-dir={tmp_path}",
+        "--specs", "paper", "all-hybrid", "all-hybrid-na", f"--comfyui={tree}", f"--results-dir={tmp_path}",
     ).stdout  # fmt: skip
     assert "FAIL" not in out and "composed / measured" in out
     result = json.loads((tmp_path / "comfy_step_whole_cpu.json").read_text())
@@ -76,6 +77,8 @@ def test_whole_and_composed_step_at_toy_size(tmp_path):
         base = rows[("softmax", step)]["median_ms"]
         assert row["speedup_vs_softmax"] == pytest.approx(base / row["median_ms"])
         assert 0 < row["attention_share"] < 1 and row["peak_mib"] > 0
+        # the `-na` path's file carries the 5x5 neighbourhood blend into every T5 module the step ran
+        assert row["windows"] == ([] if path == "softmax" else [5] if path.endswith("-na") else [0])
         if step == "measured":
             # one model call, two joint and two attn2 modules: four attention calls per step
             assert row["attention_calls"] == 4
