@@ -9,8 +9,8 @@ SD3 checkpoint naming) and string metadata: `t5.format_version`, the `T5Config` 
 A file is written with the lowest version whose readers run it correctly: version 3 with the
 neighbourhood blend (`T5Config.neighborhood`), which older readers would drop without a word; else
 version 2 for hybrid joint attention (`T5Config.joint_mode = "hybrid"`), which a version-1 reader
-would run as plain T5 attention; else version 1, so older readers keep loading it. Every mismatch raises `T5WeightsError`
-naming the file, the problem and the fix. Never pickle.
+would run as plain T5 attention; else version 1, so older readers keep loading it. Every mismatch
+raises `T5WeightsError` naming the file, the problem and the fix. Never pickle.
 """
 
 from __future__ import annotations
