@@ -23,14 +23,13 @@ from t5core.hosts.diffusers import T5Handle, arch_of, linearize
 from t5core.sd3_keys import diffusers_module
 from trainer.config import ModelConfig, OptimConfig, TrainConfig
 from trainer.presets import get_preset
-from trainer.sources import PipelineFiles, find_text_parts, local_base
+from trainer.sources import local_base
 
 __all__ = [
     "ParamSplit",
     "base_checkpoint_dtype",
     "build_model",
     "build_student",
-    "find_pipeline_folder",
     "load_base",
     "make_teacher",
     "shipped_config",
@@ -186,15 +185,6 @@ def base_checkpoint_dtype(config: ModelConfig) -> torch.dtype:
         return torch.bfloat16
     logger.info("Model: the base stores its blocks as %s; exported base.* tensors stay float32", stored)
     return torch.float32
-
-
-def find_pipeline_folder(model: ModelConfig, pipeline: str) -> PipelineFiles:
-    """The files whose VAE and text encoders encode data: `--data.pipeline`, else the base's own.
-
-    Raises:
-        FileNotFoundError: no pipeline folder, or a single-file base whose text encoders or tokenizers are missing.
-    """
-    return find_text_parts(model, pipeline)
 
 
 def make_teacher(base: nn.Module, *, dtype: torch.dtype) -> nn.Module:

@@ -1,15 +1,15 @@
 """Data preparation, done once and cached: image folders and prompt files become cache shards.
 
-`prepare_images` encodes a folder of images with `.txt` captions through the base pipeline's own VAE
-and text encoders; `prepare_prompts` lets the frozen softmax model generate the latents of each
-prompt (a prompts file or the shipped default set; no images needed). Both run one driver and differ
-only in how they list their inputs and encode a shard (`_Inputs`): sort the inputs into aspect-ratio
-buckets (`trainer.data.bucket_sizes`), cut each bucket into shards of `--data.shard_size`, and have
-rank r encode shards r, r + N, ...; rank 0 shows a progress bar with an ETA. A shard already on disk
-is kept, so an interrupted preparation resumes where it stopped; `plan.json` records what the shards
-hold, and a cache folder planned for other inputs or settings is refused rather than mixed. Unreadable
-images and missing captions are skipped and counted, never a crash mid-run; an empty input is an
-error. The cache's files and format are `trainer.cache`'s.
+`prepare_data` encodes `--data.source images`, a folder of images with `.txt` captions, through the
+base pipeline's own VAE and text encoders, or has the frozen softmax model generate the latents of
+each prompt of `--data.source prompts` (a prompts file or the shipped default set; no images needed).
+Both run one driver and differ only in how they list their inputs and encode a shard (`_Inputs`):
+sort the inputs into aspect-ratio buckets (`trainer.data.bucket_sizes`), cut each bucket into shards
+of `--data.shard_size`, and have rank r encode shards r, r + N, ...; rank 0 shows a progress bar with
+an ETA. A shard already on disk is kept, so an interrupted preparation resumes where it stopped;
+`plan.json` records what the shards hold, and a cache folder planned for other inputs or settings is
+refused rather than mixed. Unreadable images and missing captions are skipped and counted, never a
+crash mid-run; an empty input is an error. The cache's files and format are `trainer.cache`'s.
 """
 
 from __future__ import annotations
@@ -34,11 +34,13 @@ from trainer.prompt_set import default_prompts
 from trainer.seeds import derived_seed
 from trainer.sources import PipelineFiles
 
-__all__ = ["IMAGE_SUFFIXES", "prepare_images", "prepare_prompts"]
+__all__ = ["DEFAULT_RESOLUTION", "IMAGE_SUFFIXES", "prepare_data"]
 
 logger = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+DEFAULT_RESOLUTION = 1024
+"""The square bucket's pixel side when `--data.resolution` is 0 (SD3.5's native size)."""
 _SHOWN_SKIPS = 5
 
 
@@ -55,7 +57,7 @@ class _Inputs:
 
     Attributes:
         kind: `images` or `prompts` (the manifest's kind, the progress bar's unit).
-        settings: what else the shards depend on, recorded in `plan.json`.
+        settings: what else the shards of this kind depend on, recorded in `plan.json`.
         items: the bucket sizes -> the inputs sorted into them, and those skipped (`{key: why}`).
         encode: `(pipeline, shard, size)` -> the shard's samples, and its inputs that failed (`{key: why}`).
     """
@@ -96,15 +98,20 @@ def _pixel_multiple(pipe) -> int:
     return pipe.vae_scale_factor * pipe.transformer.config.patch_size
 
 
-def _encode_text(pipe, captions: list[str], data: DataConfig) -> tuple[Tensor, Tensor]:
-    context, _, pooled, _ = pipe.encode_prompt(
+def _encode_text(pipe, captions: list[str], data: DataConfig, *, guidance: bool = False) -> tuple[Tensor, ...]:
+    """`(context, negative context, pooled, negative pooled)` of `captions`; the negatives (the empty
+    caption's) are None without `guidance`."""
+    return pipe.encode_prompt(
         prompt=captions,
         prompt_2=None,
         prompt_3=None,
-        do_classifier_free_guidance=False,
+        do_classifier_free_guidance=guidance,
         max_sequence_length=data.max_sequence_length,
     )
-    return context.float().cpu(), pooled.float().cpu()
+
+
+def _on_cpu(latents: Tensor, context: Tensor, pooled: Tensor) -> Batch:
+    return Batch(latents.float().cpu(), context.float().cpu(), pooled.float().cpu())
 
 
 def _shards(items: list[_Item], shard_size: int) -> list[tuple[tuple[int, int], list[_Item]]]:
@@ -119,11 +126,13 @@ def _shards(items: list[_Item], shard_size: int) -> list[tuple[tuple[int, int], 
     ]
 
 
-def _plan(items: list[_Item], inputs: _Inputs) -> dict[str, object]:
+def _plan(items: list[_Item], inputs: _Inputs, data: DataConfig) -> dict[str, object]:
     """What the shards will hold: the kind, its settings, and a digest of the inputs in shard order."""
     listing = json.dumps([[item.key, item.caption, list(item.size)] for item in items])
     return {
         "kind": inputs.kind,
+        "shard_size": data.shard_size,
+        "max_sequence_length": data.max_sequence_length,
         **inputs.settings,
         "items": len(items),
         "sha256": hashlib.sha256(listing.encode()).hexdigest(),
@@ -161,7 +170,8 @@ def _finish(
     world.barrier()
     kept, shown = 0, ""
     if world.is_main:
-        uncond = Batch(torch.zeros(1, 1), *_encode_text(pipe, [""], data))
+        context, _, pooled, _ = _encode_text(pipe, [""], data)
+        uncond = _on_cpu(torch.zeros(1, 1), context, pooled)
         kept, shards, all_skipped = finish_cache(cache_dir, kind=kind, uncond=uncond, skipped=skipped)
         shown = "; ".join(f"{key}: {why}" for key, why in list(all_skipped.items())[:_SHOWN_SKIPS])
         if kept:
@@ -175,38 +185,6 @@ def _finish(
         raise ValueError(
             f"none of the {planned} {kind} could be used ({shown or 'see rank 0'}). Fix the inputs and run again."
         )
-
-
-def _finished(cache_dir: Path) -> bool:
-    if (cache_dir / MANIFEST).is_file():
-        logger.info("Data: using the finished cache %s", cache_dir)
-        return True
-    return False
-
-
-@torch.no_grad()
-def _prepare(
-    inputs: _Inputs,
-    cache_dir: Path,
-    *,
-    pipeline: Path | PipelineFiles,
-    transformer: nn.Module,
-    data: DataConfig,
-    resolution: int,
-    world: World,
-    progress: bool,
-) -> Path:
-    """The driver both kinds of input share (collective): bucket, plan, encode the missing shards, finish."""
-    pipe = _load_pipeline(pipeline, transformer, world)
-    items, skipped = inputs.items(bucket_sizes(data.buckets, resolution, _pixel_multiple(pipe)))
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    check_plan(cache_dir, _plan(items, inputs), world)
-    shards = _shards(items, data.shard_size)
-    for index, size, shard in _pending(cache_dir, shards, world, unit=inputs.kind, progress=progress):
-        batch, failed = inputs.encode(pipe, shard, size)
-        write_shard(cache_dir, index, batch, pixel_wh=size, skipped=failed)
-    _finish(cache_dir, pipe, data, world, kind=inputs.kind, planned=len(items) + len(skipped), skipped=skipped)
-    return cache_dir
 
 
 def _read_image(path: Path, size: tuple[int, int]) -> Tensor:
@@ -283,43 +261,20 @@ def _encode_images(
     context = pooled = torch.zeros(0)
     if pixels:
         encoded = vae.encode(torch.stack(pixels).to(world.device, vae.dtype)).latent_dist.mean
-        latents = ((encoded - shift) * scale).float().cpu()
-        context, pooled = _encode_text(pipe, captions, data)
-    return Batch(latents, context, pooled), failed
+        latents = (encoded - shift) * scale
+        context, _, pooled, _ = _encode_text(pipe, captions, data)
+    return _on_cpu(latents, context, pooled), failed
 
 
-def prepare_images(
-    folder: Path,
-    cache_dir: Path,
-    *,
-    pipeline: Path | PipelineFiles,
-    transformer: nn.Module,
-    data: DataConfig,
-    resolution: int,
-    world: World,
-    progress: bool = True,
-) -> Path:
-    """Encode an image folder (captions in `name.txt` beside `name.png`) into a cache (collective).
-
-    Args:
-        progress (`bool`): show rank 0's progress bar. Default: `True`.
-
-    Raises:
-        FileNotFoundError: no such folder. ValueError: no images, or none usable.
-    """
-    if _finished(cache_dir):
-        return cache_dir
+def _image_inputs(data: DataConfig, world: World) -> _Inputs:
+    folder = Path(data.path)
     files = _list_images(folder)
-    inputs = _Inputs(
+    return _Inputs(
         kind="images",
-        settings={"shard_size": data.shard_size, "max_sequence_length": data.max_sequence_length},
+        settings={},
         items=lambda sizes: _scan_images(folder, files, sizes),
         encode=lambda pipe, shard, size: _encode_images(pipe, folder, shard, size, data=data, world=world),
     )
-    return _prepare(
-        inputs, cache_dir, pipeline=pipeline, transformer=transformer, data=data, resolution=resolution,
-        world=world, progress=progress,
-    )  # fmt: skip
 
 
 def _read_prompts(path: Path) -> list[str]:
@@ -336,14 +291,7 @@ def _generate(
     pipe, shard: list[_Item], size: tuple[int, int], *, data: DataConfig, world: World
 ) -> tuple[Batch, dict[str, str]]:
     """Latents the softmax model generates for a shard of prompts, each from noise seeded by its index."""
-    captions = [item.caption for item in shard]
-    embeds = pipe.encode_prompt(
-        prompt=captions,
-        prompt_2=None,
-        prompt_3=None,
-        do_classifier_free_guidance=data.guidance_scale > 1,
-        max_sequence_length=data.max_sequence_length,
-    )
+    embeds = _encode_text(pipe, [item.caption for item in shard], data, guidance=data.guidance_scale > 1)
     generators = [torch.Generator(world.device).manual_seed(derived_seed(0, "prompt", item.key)) for item in shard]
     # The transformer is the fp32 base the run trains; autocast runs it in the bf16 pipeline's dtype.
     dtype = _pipeline_dtype(world)
@@ -361,49 +309,67 @@ def _generate(
             output_type="latent",
         ).images
     logger.debug("Data: generated %d prompts at %dx%d", len(shard), *size)
-    return Batch(latents.float().cpu(), embeds[0].float().cpu(), embeds[2].float().cpu()), {}
+    return _on_cpu(latents, embeds[0], embeds[2]), {}
 
 
-def prepare_prompts(
-    prompts_file: Path | None,
+def _prompt_inputs(data: DataConfig, world: World) -> _Inputs:
+    """Prompt i goes to bucket i mod (number of buckets) and starts from noise seeded by its index, so
+    the cache does not depend on the world size or on interruptions."""
+    prompts = _read_prompts(Path(data.path)) if data.path else default_prompts()
+    prompts = prompts[: data.prompt_limit or None]
+    return _Inputs(
+        kind="prompts",
+        settings={"generate_steps": data.generate_steps, "guidance_scale": data.guidance_scale},
+        items=lambda sizes: ([_Item(str(i), prompt, sizes[i % len(sizes)]) for i, prompt in enumerate(prompts)], {}),
+        encode=lambda pipe, shard, size: _generate(pipe, shard, size, data=data, world=world),
+    )
+
+
+_INPUTS = {"images": _image_inputs, "prompts": _prompt_inputs}
+
+
+@torch.no_grad()
+def prepare_data(
+    data: DataConfig,
     cache_dir: Path,
     *,
     pipeline: Path | PipelineFiles,
     transformer: nn.Module,
-    data: DataConfig,
-    resolution: int,
     world: World,
     progress: bool = True,
 ) -> Path:
-    """Generate latents for each prompt with the frozen softmax model into a cache (collective).
+    """Encode `--data.source images` or `prompts` into a cache at `cache_dir` (collective); a finished
+    cache there is used as it is.
 
-    Prompt i goes to bucket i mod (number of buckets) and starts from noise seeded by its index, so
-    the cache does not depend on the world size or on interruptions.
+    `images`: the image folder `data.path` (captions in `name.txt` beside `name.png`). `prompts`: the
+    frozen softmax model generates latents for each prompt of the file `data.path`, or of the shipped
+    default set (`trainer.prompt_set`) when it is empty; `data.prompt_limit` keeps the first prompts.
 
     Args:
-        prompts_file (`Path`, *optional*): the prompts, one a line; None takes the shipped default set
-            (`trainer.prompt_set`). `data.prompt_limit` keeps the first prompts.
+        data (`DataConfig`): the data section; `resolution` 0 means `DEFAULT_RESOLUTION`.
+        pipeline (`Path` or `PipelineFiles`): what encodes the data (`trainer.sources.find_text_parts`).
+        transformer (`nn.Module`): the base transformer the pipeline runs (`prompts` samples with it).
         progress (`bool`): show rank 0's progress bar. Default: `True`.
 
+    Returns:
+        `cache_dir`.
+
     Raises:
-        FileNotFoundError: no such file. ValueError: no prompts, or a cache folder planned otherwise.
+        FileNotFoundError: no such folder or file. ValueError: no inputs, none usable, or a cache folder
+            planned for other inputs or settings.
     """
-    if _finished(cache_dir):
+    if (cache_dir / MANIFEST).is_file():
+        logger.info("Data: using the finished cache %s", cache_dir)
         return cache_dir
-    prompts = _read_prompts(prompts_file) if prompts_file is not None else default_prompts()
-    prompts = prompts[: data.prompt_limit or None]
-    inputs = _Inputs(
-        kind="prompts",
-        settings={
-            "shard_size": data.shard_size,
-            "max_sequence_length": data.max_sequence_length,
-            "generate_steps": data.generate_steps,
-            "guidance_scale": data.guidance_scale,
-        },
-        items=lambda sizes: ([_Item(str(i), prompt, sizes[i % len(sizes)]) for i, prompt in enumerate(prompts)], {}),
-        encode=lambda pipe, shard, size: _generate(pipe, shard, size, data=data, world=world),
-    )
-    return _prepare(
-        inputs, cache_dir, pipeline=pipeline, transformer=transformer, data=data, resolution=resolution,
-        world=world, progress=progress,
-    )  # fmt: skip
+    inputs = _INPUTS[data.source](data, world)
+    pipe = _load_pipeline(pipeline, transformer, world)
+    sizes = bucket_sizes(data.buckets, data.resolution or DEFAULT_RESOLUTION, _pixel_multiple(pipe))
+    items, skipped = inputs.items(sizes)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    check_plan(cache_dir, _plan(items, inputs, data), world)
+    shards = _shards(items, data.shard_size)
+    for index, size, shard in _pending(cache_dir, shards, world, unit=inputs.kind, progress=progress):
+        batch, failed = inputs.encode(pipe, shard, size)
+        write_shard(cache_dir, index, batch, pixel_wh=size, skipped=failed)
+    _finish(cache_dir, pipe, data, world, kind=inputs.kind, planned=len(items) + len(skipped), skipped=skipped)
+    return cache_dir

@@ -32,19 +32,18 @@ from trainer.loop import TrainParts, train_loop
 from trainer.losses import AttentionCapture
 from trainer.memory import plan_run
 from trainer.metrics import MetricsWriter
-from trainer.model import build_model, find_pipeline_folder, load_base, make_teacher
+from trainer.model import build_model, load_base, make_teacher
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import parallelize
 from trainer.presets import check_config, get_preset
 from trainer.seeds import rank_seed, seed_everything
+from trainer.sources import find_text_parts
 
 __all__ = ["RunResult", "run"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-REAL_RESOLUTION = 1024
-"""The image side of `images` / `prompts` data when `--data.resolution` is 0 (SD3.5's native size)."""
 
 
 @dataclass(frozen=True)
@@ -110,22 +109,11 @@ def _build_source(config: TrainConfig, base: nn.Module, world: World, output: Pa
 
     if data.source == "cache":
         return CacheSource(data.path)
-    from trainer.prepare import prepare_images, prepare_prompts
+    from trainer.prepare import prepare_data
 
     cache_dir = Path(data.cache_dir or output / "data-cache")
-    pipeline = find_pipeline_folder(config.model, data.pipeline)
-    resolution = data.resolution or REAL_RESOLUTION
-    prepare = prepare_images if data.source == "images" else prepare_prompts
-    prepare(
-        Path(data.path) if data.path else None,
-        cache_dir,
-        pipeline=pipeline,
-        transformer=base,
-        data=data,
-        resolution=resolution,
-        world=world,
-        progress=config.output.progress,
-    )
+    pipeline = find_text_parts(config.model, data.pipeline)
+    prepare_data(data, cache_dir, pipeline=pipeline, transformer=base, world=world, progress=config.output.progress)
     return CacheSource(cache_dir)
 
 

@@ -14,7 +14,7 @@ from trainer.cache import CacheSource
 from trainer.cli import parse_args
 from trainer.config import DataConfig, ParallelConfig
 from trainer.distributed import init_world
-from trainer.prepare import prepare_images, prepare_prompts
+from trainer.prepare import prepare_data
 from trainer.train import run
 
 CLIP_TOKENS = 77
@@ -47,14 +47,16 @@ def image_folder(tmp_path):
 
 
 def data_config(**changes) -> DataConfig:
-    settings = dict(source="images", path="x", buckets="1:1,4:3,3:4", shard_size=2, max_sequence_length=T5_TOKENS)
+    settings = dict(
+        source="images", path="x", resolution=32, buckets="1:1,4:3,3:4", shard_size=2, max_sequence_length=T5_TOKENS
+    )
     return DataConfig(**{**settings, **changes})
 
 
 def test_image_folder_is_encoded_skipping_bad_files(pipeline, image_folder, tmp_path, world):
-    cache = prepare_images(
-        image_folder, tmp_path / "cache", pipeline=pipeline, transformer=trainer_transformer(),
-        data=data_config(), resolution=32, world=world,
+    cache = prepare_data(
+        data_config(path=str(image_folder)), tmp_path / "cache", pipeline=pipeline,
+        transformer=trainer_transformer(), world=world,
     )  # fmt: skip
     manifest = json.loads((cache / "manifest.json").read_text())
     assert sorted(manifest["skipped"]) == ["corrupt.png", "truncated.png", "uncaptioned.png"]
@@ -77,14 +79,15 @@ def test_image_folder_is_encoded_skipping_bad_files(pipeline, image_folder, tmp_
 
 
 def test_image_preparation_resumes_shard_by_shard(pipeline, image_folder, tmp_path, world):
-    kwargs = dict(pipeline=pipeline, transformer=trainer_transformer(), data=data_config(), resolution=32, world=world)
-    cache = prepare_images(image_folder, tmp_path / "cache", **kwargs)
+    data = data_config(path=str(image_folder))
+    kwargs = dict(pipeline=pipeline, transformer=trainer_transformer(), world=world)
+    cache = prepare_data(data, tmp_path / "cache", **kwargs)
     shards = sorted(cache.glob("shard-*.safetensors"))
     manifest = (cache / "manifest.json").read_text()
     kept = {p.name: p.stat().st_mtime_ns for p in shards[1:]}
     (cache / "manifest.json").unlink()
     shards[0].unlink()
-    prepare_images(image_folder, cache, **kwargs)
+    prepare_data(data, cache, **kwargs)
     assert (cache / "manifest.json").read_text() == manifest
     assert shards[0].is_file()
     assert {p.name: p.stat().st_mtime_ns for p in shards[1:]} == kept
@@ -96,24 +99,24 @@ def test_every_image_unusable_is_an_error(pipeline, tmp_path, world):
     (folder / "a.png").write_bytes(b"garbage")
     (folder / "a.txt").write_text("caption")
     with pytest.raises(ValueError, match=r"none of the 1 images could be used \(a.png: unreadable image"):
-        prepare_images(
-            folder, tmp_path / "cache", pipeline=pipeline, transformer=trainer_transformer(),
-            data=data_config(), resolution=32, world=world,
+        prepare_data(
+            data_config(path=str(folder)), tmp_path / "cache", pipeline=pipeline, transformer=trainer_transformer(),
+            world=world,
         )  # fmt: skip
 
 
 def test_prompts_file_generates_latents_with_the_softmax_model(pipeline, tmp_path, world):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle\n# a comment\n\na blue square\na green triangle\n")
-    data = data_config(source="prompts", generate_steps=2, guidance_scale=2.0)
-    kwargs = dict(pipeline=pipeline, transformer=trainer_transformer(), data=data, resolution=32, world=world)
-    first = CacheSource(prepare_prompts(prompts, tmp_path / "one", **kwargs))
+    data = data_config(source="prompts", path=str(prompts), generate_steps=2, guidance_scale=2.0)
+    kwargs = dict(pipeline=pipeline, transformer=trainer_transformer(), world=world)
+    first = CacheSource(prepare_data(data, tmp_path / "one", **kwargs))
     # Prompt i goes to bucket i mod 3: 1:1, 4:3, 3:4.
     assert {hw: len(ids) for hw, ids in first.buckets().items()} == {(16, 16): 1, (14, 18): 1, (18, 14): 1}
     batch = first.load([0])
     assert batch.context.shape == (1, CLIP_TOKENS + T5_TOKENS, 32)
     assert torch.isfinite(batch.latents).all() and batch.latents.std() > 0
-    again = CacheSource(prepare_prompts(prompts, tmp_path / "two", **kwargs))
+    again = CacheSource(prepare_data(data, tmp_path / "two", **kwargs))
     for index in range(3):
         torch.testing.assert_close(again.load([index]).latents, first.load([index]).latents, rtol=0, atol=0)
 

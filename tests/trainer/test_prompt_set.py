@@ -17,7 +17,7 @@ from trainer.cache import CacheSource
 from trainer.cli import parse_args
 from trainer.config import DataConfig, ParallelConfig
 from trainer.distributed import init_world
-from trainer.prepare import prepare_prompts
+from trainer.prepare import prepare_data
 from trainer.prompt_set import DEFAULT_PROMPT_COUNT, default_prompts
 
 
@@ -62,9 +62,9 @@ def _generate(pipeline, cache, *, prompts_file=None, progress=False, transformer
     data = data_config(source="prompts", path=str(prompts_file or ""), shard_size=1, generate_steps=1, **changes)
     world = init_world(ParallelConfig(device="cpu"))
     try:
-        return prepare_prompts(
-            prompts_file, cache, pipeline=pipeline, transformer=transformer or trainer_transformer(), data=data,
-            resolution=32, world=world, progress=progress,
+        return prepare_data(
+            data, cache, pipeline=pipeline, transformer=transformer or trainer_transformer(), world=world,
+            progress=progress,
         )  # fmt: skip
     finally:
         world.close()

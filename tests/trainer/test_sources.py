@@ -17,8 +17,9 @@ from safetensors.torch import load_file, save_file
 from testing.trainer_assets import write_comfyui
 from trainer.cli import parse_args
 from trainer.config import ModelConfig
-from trainer.model import find_pipeline_folder, load_base
+from trainer.model import load_base
 from trainer.single_file import load_single_file_pipeline
+from trainer.sources import find_text_parts
 from trainer.train import run
 
 T5_TOKENS = 8
@@ -46,7 +47,7 @@ def test_comfyui_files_give_the_diffusers_model(comfy_install):
 
     config = model_config(comfy_install)
     assert config.base == f"{comfy_install['comfyui']}/models/checkpoints/sd3.5_medium.safetensors"
-    pipe = load_single_file_pipeline(find_pipeline_folder(config, ""), load_base(config), dtype=torch.float32)
+    pipe = load_single_file_pipeline(find_text_parts(config, ""), load_base(config), dtype=torch.float32)
     reference = StableDiffusion3Pipeline.from_pretrained(comfy_install["reference"], local_files_only=True)
     for name in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         ours, theirs = getattr(pipe, name).state_dict(), getattr(reference, name).state_dict()
@@ -96,10 +97,10 @@ def test_missing_checkpoint_names_the_folder(separate):
 def test_missing_text_encoder_names_what_was_looked_for(separate):
     (separate["comfyui"] / "models" / "text_encoders" / "t5xxl_fp16.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"none of t5xxl_fp16\.safetensors, t5xxl_fp8_e4m3fn\.safetensors"):
-        find_pipeline_folder(model_config(separate), "")
+        find_text_parts(model_config(separate), "")
     config = ModelConfig(base=str(separate["checkpoint"]), config=str(separate["configs"]))
     with pytest.raises(FileNotFoundError, match=r"no bundled clip_l text encoder\. Give its file with --model\.clip_l"):
-        find_pipeline_folder(config, "")
+        find_text_parts(config, "")
 
 
 def test_tokenizers_need_a_comfyui_folder(separate):
@@ -110,10 +111,10 @@ def test_tokenizers_need_a_comfyui_folder(separate):
         t5xxl=str(encoders / "t5xxl_fp16.safetensors"), **flags,
     )  # fmt: skip
     with pytest.raises(FileNotFoundError, match=r"needs the CLIP and T5 tokenizers: give your ComfyUI folder"):
-        find_pipeline_folder(config, "")
+        find_text_parts(config, "")
     shutil.rmtree(separate["comfyui"] / "comfy" / "text_encoders")
     with pytest.raises(FileNotFoundError, match=r"no tokenizer folder .*t5_tokenizer"):
-        find_pipeline_folder(model_config(separate), "")
+        find_text_parts(model_config(separate), "")
 
 
 def test_fp8_t5_is_upcast_and_scaled_fp8_refused(tmp_path, caplog):
@@ -121,13 +122,13 @@ def test_fp8_t5_is_upcast_and_scaled_fp8_refused(tmp_path, caplog):
     fp8 = files["comfyui"] / "models" / "text_encoders" / "t5xxl_fp8_e4m3fn.safetensors"
     config = model_config(files)
     with caplog.at_level(logging.INFO, logger="trainer.single_file"):
-        pipe = load_single_file_pipeline(find_pipeline_folder(config, ""), load_base(config), dtype=torch.float32)
+        pipe = load_single_file_pipeline(find_text_parts(config, ""), load_base(config), dtype=torch.float32)
     assert "holds fp8 t5xxl weights; upcasting them to torch.float32" in caplog.text
     expected = load_file(str(fp8))["shared.weight"].float()
     assert torch.equal(pipe.text_encoder_3.shared.weight, expected)
     save_file({**load_file(str(fp8)), "scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, str(fp8))
     with pytest.raises(ValueError, match=r"scaled-fp8 t5xxl file.*Use the fp16 file"):
-        load_single_file_pipeline(find_pipeline_folder(config, ""), load_base(config), dtype=torch.float32)
+        load_single_file_pipeline(find_text_parts(config, ""), load_base(config), dtype=torch.float32)
 
 
 def _hub_cache(root, reference, repo_id: str) -> str:
@@ -146,11 +147,12 @@ HUB_SCRIPT = textwrap.dedent(
     """
     import sys
     from trainer.config import ModelConfig
-    from trainer.model import find_pipeline_folder, load_base
+    from trainer.model import load_base
+    from trainer.sources import find_text_parts
     config = ModelConfig(base=sys.argv[1], revision=sys.argv[2])
     try:
         load_base(config)
-        print("pipeline", find_pipeline_folder(config, "").folder.name)
+        print("pipeline", find_text_parts(config, "").folder.name)
     except (FileNotFoundError, PermissionError) as error:
         print("error", error)
     """
