@@ -28,6 +28,7 @@ from trainer.sources import local_base
 __all__ = [
     "ParamSplit",
     "base_checkpoint_dtype",
+    "base_weight_files",
     "build_model",
     "build_student",
     "load_base",
@@ -150,12 +151,23 @@ _BLOCK_KEYS = ("joint_blocks.", "transformer_blocks.")
 """Transformer-block tensors in SD3 and diffusers naming (a single file may also bundle text encoders)."""
 
 
-def _base_files(config: ModelConfig) -> list[Path]:
+def base_weight_files(config: ModelConfig) -> dict[str, Path]:
+    """File name -> path of the files holding the base model's weights, as `--model.base` resolves: a
+    model preset's `weight_files`, a single-file checkpoint, or the transformer's `.safetensors` / `.bin`
+    files of a diffusers folder or cached Hub repo (named relative to the folder, `transformer/...`).
+
+    Raises:
+        FileNotFoundError: as `load_base`, for a base that does not exist.
+    """
     preset = get_preset(config.base)
     if preset is not None:
-        return [path for path in preset.weight_files().values() if path.suffix == ".safetensors"]
+        return preset.weight_files()
     path = local_base(config)
-    return sorted(transformer_folder(path)[0].glob("*.safetensors")) if path.is_dir() else [path]
+    if path.is_file():
+        return {path.name: path}
+    folder, subfolder = transformer_folder(path)
+    weights = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
+    return {"/".join(filter(None, (subfolder, p.name))): p for p in weights}
 
 
 def base_checkpoint_dtype(config: ModelConfig) -> torch.dtype:
@@ -172,7 +184,7 @@ def base_checkpoint_dtype(config: ModelConfig) -> torch.dtype:
     from safetensors import safe_open
 
     counts: dict[str, int] = {}
-    for file in _base_files(config):
+    for file in (path for path in base_weight_files(config).values() if path.suffix == ".safetensors"):
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():
                 if any(block in key for block in _BLOCK_KEYS):

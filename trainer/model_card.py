@@ -16,9 +16,8 @@ from typing import Any
 
 from trainer.cli import config_to_toml
 from trainer.config import ModelConfig, TrainConfig
-from trainer.model import transformer_folder
+from trainer.model import base_weight_files
 from trainer.presets import get_preset
-from trainer.sources import local_base
 
 __all__ = ["RUN_CARD", "base_digests", "card_name", "model_card", "sha256_file"]
 
@@ -43,28 +42,10 @@ def sha256_file(path: str | Path) -> str:
 
 
 def base_digests(config: ModelConfig) -> dict[str, str]:
-    """File name -> sha256 of the files holding the base model's weights, as `--model.base` resolves.
-
-    Args:
-        config: the model section. Its base is a model preset (its `weight_files`), a single-file
-            checkpoint, a diffusers pipeline or transformer folder (its transformer's `.safetensors` /
-            `.bin` weight files, names relative to it), or a Hub repo id (the files in the local cache).
-
-    Returns:
-        The digests in file-name order.
-    """
-    preset = get_preset(config.base)
-    if preset is not None:
-        files = preset.weight_files()
-    else:
-        path = local_base(config)
-        if path.is_file():
-            files = {path.name: path}
-        else:
-            folder, subfolder = transformer_folder(path)
-            weights = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
-            files = {"/".join(filter(None, (subfolder, p.name))): p for p in weights}
-    return {name: sha256_file(file) for name, file in sorted(files.items())}
+    """File name -> sha256 of the files holding the base model's weights (`trainer.model.base_weight_files`:
+    a preset's files, a single-file checkpoint, or a diffusers folder's or Hub repo's transformer weights),
+    in file-name order."""
+    return {name: sha256_file(file) for name, file in sorted(base_weight_files(config).items())}
 
 
 def _value(value: object) -> str:
