@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.config import TrainConfig
 from trainer.distributed import World
 
-__all__ = ["apply_activation_checkpointing", "apply_ddp", "apply_fsdp", "parallelize", "store_frozen_in", "unwrap"]
+__all__ = ["apply_activation_checkpointing", "apply_ddp", "apply_fsdp", "parallelize", "store_frozen_in"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +75,6 @@ def apply_fsdp(model: nn.Module, *, param_dtype: torch.dtype | None, name: str =
         dtype,
     )
     return model
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module under a DDP wrapper (FSDP2 shards in place, so its module is the model itself)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def parallelize(student: nn.Module, teacher: nn.Module | None, *, config: TrainConfig, world: World) -> nn.Module:
