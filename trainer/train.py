@@ -26,13 +26,13 @@ from trainer.cli import save_config
 from trainer.config import TrainConfig
 from trainer.data import BatchPlan, Source
 from trainer.distributed import World, init_world
-from trainer.export import comfyui_target, export_run, publish, run_report
-from trainer.hub import hub_target
-from trainer.loop import TrainParts, train_loop
+from trainer.export import ComfyTarget, comfyui_target, export_run, publish, run_report
+from trainer.hub import HubTarget, hub_target
+from trainer.loop import LoopResult, TrainParts, train_loop
 from trainer.losses import AttentionCapture
 from trainer.memory import plan_run
 from trainer.metrics import MetricsWriter
-from trainer.model import build_model, load_base, make_teacher
+from trainer.model import ParamSplit, build_model, load_base, make_teacher
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import parallelize
 from trainer.presets import check_config, get_preset
@@ -47,38 +47,39 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class RunResult:
-    """What a finished run produced.
+class RunResult(LoopResult):
+    """What a finished run produced: how its loop ended (the `LoopResult` fields: `step`, `stop_reason` `steps`
+    or `time`, the `last` step's metrics, the loop's `seconds`), its files and the student.
 
     Attributes:
         output_dir: the run's folder. weights: the exported T5 weights file.
-        step: the last step reached. stop_reason: `steps` or `time`.
-        last: the last step's metrics. seconds: wall time of the loop.
         handle: the converted student (unwrapped; its parameters are shards under FSDP2).
     """
 
     output_dir: Path
     weights: Path
-    step: int
-    stop_reason: str
-    last: dict[str, float]
-    seconds: float
     handle: T5Handle
 
 
-def _prepare_output(folder: Path) -> None:
-    """Create the output folder and prove it is writable before anything expensive happens (rank 0
-    work: run it through `_on_main`)."""
+def _check_outputs(config: TrainConfig, output: Path) -> tuple[ComfyTarget | None, HubTarget | None]:
+    """Before anything expensive (rank 0 work: run it through `_on_main`): the ComfyUI folder and the Hub repo
+    can take the results (`comfyui_target`, `hub_target`), and the output folder exists and is writable.
+
+    Returns:
+        The ComfyUI and Hub targets (None where not asked for).
+    """
+    targets = comfyui_target(config.output), hub_target(config.output)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        handle, probe = tempfile.mkstemp(dir=folder, prefix=".write-test.")
+        output.mkdir(parents=True, exist_ok=True)
+        handle, probe = tempfile.mkstemp(dir=output, prefix=".write-test.")
         os.close(handle)
         os.unlink(probe)
     except OSError as error:
         raise PermissionError(
-            f"output folder {folder} is not writable ({error}). Choose another --output.dir "
+            f"output folder {output} is not writable ({error}). Choose another --output.dir "
             "or fix its permissions; nothing in it was changed."
         ) from error
+    return targets
 
 
 def _on_main(world: World, work: Callable[[], T]) -> T | None:
@@ -153,14 +154,40 @@ def _start_output(config: TrainConfig, world: World, checkpoints: CheckpointMana
         save_config(config, output / "config.toml")
 
 
-def _captures(
-    config: TrainConfig, handle: T5Handle, teacher: nn.Module | None
-) -> tuple[AttentionCapture, AttentionCapture] | None:
-    """Hooks on the converted modules of student and teacher for `--loss.feature_weight` (None without it)."""
-    if teacher is None or config.loss.feature_weight == 0:
-        return None
-    names = [diffusers_module(name) for name in handle.modules]
-    return AttentionCapture(handle.model, names), AttentionCapture(teacher, names)
+def _train_parts(
+    config: TrainConfig,
+    world: World,
+    handle: T5Handle,
+    split: ParamSplit,
+    *,
+    teacher: nn.Module | None,
+    source: Source,
+    plan: BatchPlan,
+    checkpoints: CheckpointManager,
+    output: Path,
+) -> TrainParts:
+    """What the loop runs: attention captures for `--loss.feature_weight`, the student wrapped on the device,
+    per-rank seeds, the optimizer and its schedule, and the metrics file."""
+    captures = None
+    if teacher is not None and config.loss.feature_weight > 0:
+        names = [diffusers_module(name) for name in handle.modules]
+        captures = AttentionCapture(handle.model, names), AttentionCapture(teacher, names)
+    model = parallelize(handle.model, teacher, config=config, world=world)
+    seed_everything(rank_seed(config.training.seed, world.rank))
+    optimizer = build_optimizer(model, split, config.optim)
+    return TrainParts(
+        config=config,
+        world=world,
+        model=model,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, config.optim, steps=config.training.steps),
+        source=source,
+        plan=plan,
+        checkpoints=checkpoints,
+        metrics=MetricsWriter(output / "metrics.jsonl", enabled=world.is_main),
+        teacher=teacher,
+        captures=captures,
+    )
 
 
 def _log_built(config: TrainConfig, handle: T5Handle, world: World, start: int) -> None:
@@ -176,19 +203,16 @@ def _log_built(config: TrainConfig, handle: T5Handle, world: World, start: int) 
     )
 
 
-def _evaluate(config: TrainConfig, handle: T5Handle, world: World) -> dict[str, object]:
+def _evaluate(config: TrainConfig, handle: T5Handle, world: World, output: Path) -> dict[str, object]:
     """The preset's evaluation of the trained student, `{name: numbers}`; empty without one."""
     preset = get_preset(config.model.base)
-    output = Path(config.output.dir).expanduser()
     evaluation = preset.evaluate(handle.model, config, output, world) if preset is not None else None
     return {preset.evaluation_name: evaluation} if evaluation else {}
 
 
 def _run(config: TrainConfig, world: World) -> RunResult:
     output = Path(config.output.dir).expanduser()
-    comfyui = _on_main(world, lambda: comfyui_target(config.output))
-    hub = _on_main(world, lambda: hub_target(config.output))
-    _on_main(world, lambda: _prepare_output(output))
+    comfyui, hub = _on_main(world, lambda: _check_outputs(config, output)) or (None, None)
     # The same seed on every rank while building: new T5 parameters start identical everywhere
     # (FSDP2, unlike DDP, does not broadcast rank 0's initial values).
     seed_everything(config.training.seed)
@@ -202,35 +226,24 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     teacher = make_teacher(base, dtype=config.training.dtype) if config.loss.needs_teacher else None
     handle, split = build_model(base, config)
     memory = plan_run(config, handle, split, source=source, plan=plan, world=world, teacher=teacher)
-    captures = _captures(config, handle, teacher)
-    model = parallelize(handle.model, teacher, config=config, world=world)
-    seed_everything(rank_seed(config.training.seed, world.rank))
-    optimizer = build_optimizer(model, split, config.optim)
-    scheduler = build_scheduler(optimizer, config.optim, steps=config.training.steps)
-    parts = TrainParts(
-        config=config,
-        world=world,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        source=source,
-        plan=plan,
-        checkpoints=checkpoints,
-        metrics=MetricsWriter(output / "metrics.jsonl", enabled=world.is_main),
-        teacher=teacher,
-        captures=captures,
+    parts = _train_parts(
+        config, world, handle, split, teacher=teacher, source=source, plan=plan, checkpoints=checkpoints, output=output
     )
-    start = resume_from(resume, checkpoints, config=config, model=model, optimizer=optimizer, scheduler=scheduler)
+    start = resume_from(
+        resume, checkpoints, config=config, model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler
+    )
     parts.metrics.resume_at(start)
     _log_built(config, handle, world, start)
     result = train_loop(parts, start_step=start)
 
     weights = export_run(config, handle, split, world, steps=result.step)
-    evaluation = _evaluate(config, handle, world)
+    evaluation = _evaluate(config, handle, world, output)
     report = run_report(
         config, result, weights=weights, world=world, handle=handle, split=split, memory=memory, evaluation=evaluation
     )
     _on_main(world, lambda: publish(config, report, weights, comfyui=comfyui, hub=hub))
     # Leave together: a rank that tears down its process group while rank 0 still writes can abort gloo.
     world.barrier()
-    return RunResult(output, weights, result.step, result.stop_reason, result.last, result.seconds, handle)
+    return RunResult(
+        result.step, result.stop_reason, result.last, result.seconds, output_dir=output, weights=weights, handle=handle
+    )
