@@ -44,7 +44,6 @@ __all__ = [
     "ComfyTarget",
     "comfyui_target",
     "export_run",
-    "export_weights",
     "install_in_comfyui",
     "publish",
     "run_report",
@@ -83,29 +82,23 @@ def _gather(model: nn.Module, names: list[str]) -> dict[str, Tensor]:
     return out
 
 
-def export_weights(
-    path: str | Path,
-    handle: T5Handle,
-    split: ParamSplit,
-    world: World,
-    *,
-    provenance: dict[str, Any],
-    base_dtype: torch.dtype = torch.float32,
-) -> Path | None:
-    """Write the T5 weights file from the trained student (collective; rank 0 writes).
+def export_run(config: TrainConfig, handle: T5Handle, split: ParamSplit, world: World, *, steps: int) -> Path:
+    """Write the T5 weights file `<output.dir>/<output.name>` of the trained student with the run's provenance
+    (collective; rank 0 writes, through `t5core.weights.save`).
 
-    Args:
-        base_dtype: the precision of the file's `base.*` tensors (`--output.base_dtype`: the base
-            checkpoint's, `trainer.model.base_checkpoint_dtype`, or float32); T5 parameters stay float32.
+    Its `base.*` tensors are in the precision `--output.base_dtype` says: the base checkpoint's
+    (`trainer.model.base_checkpoint_dtype`) or float32; T5 parameters stay float32.
 
     Returns:
-        The path on rank 0, None on other ranks.
+        The file's path (on every rank).
     """
+    base_dtype = torch.float32 if config.output.base_dtype == "fp32" else base_checkpoint_dtype(config.model)
     t5_names = t5_parameter_names(handle)
     base_names = base_sources(handle.arch, params=split.inherited)
     tensors = _gather(handle.model, sorted(t5_names) + list(base_names))
+    path = Path(config.output.dir).expanduser() / config.output.name
     if not world.is_main:
-        return None
+        return path
     modules: dict[str, T5Attention] = {}
     for module_name in handle.modules:
         module = T5Attention.from_config(handle.config, handle.arch.heads, handle.arch.head_dim, layer=module_name)
@@ -117,20 +110,7 @@ def export_weights(
         module.load_file_state(state)
         modules[module_name] = module
     base = {key: t.to(base_dtype) for key, t in base_tensors(tensors, handle.arch, params=split.inherited).items()}
-    written = save(path, modules, arch=handle.arch, config=handle.config, base=base, provenance=provenance)
-    logger.info(
-        "Export: %s (%d T5 modules, %d base tensors in %s)",
-        written,
-        len(modules),
-        len(base),
-        str(base_dtype).removeprefix("torch."),
-    )
-    return written
-
-
-def export_run(config: TrainConfig, handle: T5Handle, split: ParamSplit, world: World, *, steps: int) -> Path:
-    """`export_weights` to `<output.dir>/<output.name>` with the run's provenance (collective); returns the path."""
-    base_dtype = torch.float32 if config.output.base_dtype == "fp32" else base_checkpoint_dtype(config.model)
+    dtype_name = str(base_dtype).removeprefix("torch.")
     provenance = {
         "trainer": "trainer/run.py",
         "steps": steps,
@@ -138,11 +118,11 @@ def export_run(config: TrainConfig, handle: T5Handle, split: ParamSplit, world: 
         "trainable": config.model.trainable,
         "data": config.data.source,
         "loss_weights": {key: getattr(config.loss, f"{key}_weight") for key in ("flow", "distill", "feature")},
-        "base_dtype": str(base_dtype).removeprefix("torch."),
+        "base_dtype": dtype_name,
     }
-    weights = Path(config.output.dir).expanduser() / config.output.name
-    export_weights(weights, handle, split, world, provenance=provenance, base_dtype=base_dtype)
-    return weights
+    save(path, modules, arch=handle.arch, config=handle.config, base=base, provenance=provenance)
+    logger.info("Export: %s (%d T5 modules, %d base tensors in %s)", path, len(modules), len(base), dtype_name)
+    return path
 
 
 def run_report(
@@ -215,13 +195,10 @@ def write_report(folder: str | Path, report: dict[str, Any]) -> tuple[Path, Path
         if isinstance(value, dict):
             lines += ["", f"## {key}", "", "| | |", "|---|---|"]
             lines += [f"| {name} | {cell} |" for name, cell in _flatten(value)]
-    written = []
-    for name, text in (
-        ("report.json", json.dumps(report, indent=1, default=str)),
-        ("report.md", "\n".join(lines) + "\n"),
-    ):
-        written.append(write_text_atomic(folder / name, text))
-    return written[0], written[1]
+    return (
+        write_text_atomic(folder / "report.json", json.dumps(report, indent=1, default=str)),
+        write_text_atomic(folder / "report.md", "\n".join(lines) + "\n"),
+    )
 
 
 @dataclass(frozen=True, slots=True)
