@@ -57,23 +57,23 @@ def _section_types() -> dict[str, type]:
     return {name: hints[name] for name in TrainConfig.sections()}
 
 
-def _converter(hint: Any, flag: str) -> tuple[Any, list[str] | None]:
-    """A string -> value parser for a field type, and its choices for `--help`."""
+def _converter(hint: Any, flag: str) -> tuple[Any, list[str] | None, str | None]:
+    """A string -> value parser for a field type, and its choices and metavar for `--help`."""
     origin = typing.get_origin(hint)
     if origin is Literal:
-        return str, [str(choice) for choice in typing.get_args(hint)]
+        return str, [str(choice) for choice in typing.get_args(hint)], None
     if origin in (typing.Union, types.UnionType):
         inner = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        parse, _ = _converter(inner[0], flag)
+        parse, _, metavar = _converter(inner[0], flag)
 
         def optional(text: str) -> Any:
             return None if text.lower() == _NONE else parse(text)
 
-        return optional, None
+        return optional, None, f"{metavar}|{_NONE}"
     if hint is bool:
-        return _parse_bool, None
+        return _parse_bool, None, "BOOL"
     if hint in (int, float, str):
-        return hint, None
+        return hint, None, hint.__name__.upper()
     raise TypeError(f"config field {flag} has type {hint}, which the CLI cannot parse.")
 
 
@@ -104,7 +104,7 @@ def add_flags(
         if only is not None and item.name not in only:
             continue
         dest = f"{section}.{item.name}" if section else item.name
-        parse, choices = _converter(hints[item.name], dest)
+        parse, choices, metavar = _converter(hints[item.name], dest)
         help_text = docs.get(item.name, "").replace("%", "%%")
         if item.name not in required:
             help_text += f" (default: {_toml_value(getattr(defaults, item.name))})"
@@ -115,7 +115,7 @@ def add_flags(
             choices=choices,
             default=argparse.SUPPRESS,
             required=item.name in required,
-            metavar=_metavar(hints[item.name]) if choices is None else None,
+            metavar=metavar,
             help=help_text.strip(),
         )
 
@@ -145,16 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     for section, cls in _section_types().items():
         add_flags(parser.add_argument_group(section, (cls.__doc__ or "").strip()), cls, section=section)
     return parser
-
-
-def _metavar(hint: Any) -> str:
-    if hint is bool:
-        return "BOOL"
-    if hint in (int, float):
-        return hint.__name__.upper()
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return "FLOAT|none"
-    return "STR"
 
 
 def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
