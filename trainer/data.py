@@ -36,9 +36,6 @@ class Batch:
     def to(self, device: torch.device, dtype: torch.dtype = torch.float32) -> Batch:
         return Batch(*(t.to(device=device, dtype=dtype) for t in (self.latents, self.context, self.pooled)))
 
-    def rows(self, start: int, stop: int) -> Batch:
-        return Batch(self.latents[start:stop], self.context[start:stop], self.pooled[start:stop])
-
     def __len__(self) -> int:
         return self.latents.shape[0]
 
