@@ -86,16 +86,13 @@ def _single_file_layout(path: Path) -> tuple[int, bool, bool]:
 
 
 def shipped_config(path: Path) -> Path:
-    depth, dual, qk_norm = _single_file_layout(path)
+    layout = _single_file_layout(path)
     for folder in sorted(CONFIGS_DIR.iterdir()):
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        if (config["num_layers"], bool(config["dual_attention_layers"]), config["qk_norm"] is not None) == (
-            depth,
-            dual,
-            qk_norm,
-        ):
+        if (config["num_layers"], bool(config["dual_attention_layers"]), config["qk_norm"] is not None) == layout:
             logger.info("Model: %s matches the shipped %s config", path.name, folder.name)
             return folder
+    depth, dual, qk_norm = layout
     raise ValueError(
         f"{path} has {depth} blocks (attn2: {dual}, q/k norm: {qk_norm}); no shipped config "
         f"({', '.join(p.name for p in sorted(CONFIGS_DIR.iterdir()))}) matches. Pass --model.config with a "
@@ -272,13 +269,8 @@ def split_parameters(handle: T5Handle, model: ModelConfig, optim: OptimConfig) -
         param.requires_grad_(role is not frozen)
     split = ParamSplit(tuple(new), tuple(inherited), tuple(frozen))
     params = dict(handle.model.named_parameters())
-    counts = {key: sum(params[n].numel() for n in getattr(split, key)) for key in ("new", "inherited", "frozen")}
-    logger.info(
-        "Model: training %.2fM new T5 + %.2fM inherited parameters; %.2fM frozen",
-        counts["new"] / 1e6,
-        counts["inherited"] / 1e6,
-        counts["frozen"] / 1e6,
-    )
+    millions = (sum(params[n].numel() for n in names) / 1e6 for names in (split.new, split.inherited, split.frozen))
+    logger.info("Model: training %.2fM new T5 + %.2fM inherited parameters; %.2fM frozen", *millions)
     return split
 
 
