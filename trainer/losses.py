@@ -110,23 +110,21 @@ def combine(
             needed when feature_weight > 0.
     """
     terms: dict[str, Tensor] = {}
-    total = prediction.new_zeros((), dtype=torch.float32)
     if config.flow_weight > 0:
-        flow = (
-            flow_weights(sigmas, config.weighting).to(prediction.device) * _per_sample_mse(prediction, target)
-        ).mean()
-        terms["flow"], total = flow, total + config.flow_weight * flow
+        weights = flow_weights(sigmas, config.weighting).to(prediction.device)
+        terms["flow"] = (weights * _per_sample_mse(prediction, target)).mean()
     if config.distill_weight > 0:
         if teacher_prediction is None:
             raise ValueError("distill_weight > 0 needs the teacher's prediction.")
-        distill = F.mse_loss(prediction.float(), teacher_prediction.float())
-        terms["distill"], total = distill, total + config.distill_weight * distill
+        terms["distill"] = F.mse_loss(prediction.float(), teacher_prediction.float())
     if config.feature_weight > 0:
         if not features:
             raise ValueError("feature_weight > 0 needs the attention outputs of the converted modules.")
-        feature = torch.stack([F.mse_loss(s.float(), t.float()) for s, t in features]).mean()
-        terms["feature"], total = feature, total + config.feature_weight * feature
-    return LossTerms(total, {name: value.detach() for name, value in terms.items()})
+        terms["feature"] = torch.stack([F.mse_loss(s.float(), t.float()) for s, t in features]).mean()
+    total = prediction.new_zeros((), dtype=torch.float32)
+    for name, term in terms.items():
+        total = total + getattr(config, f"{name}_weight") * term
+    return LossTerms(total, {name: term.detach() for name, term in terms.items()})
 
 
 class AttentionCapture:
