@@ -40,10 +40,9 @@ def test_different_seeds_give_different_batches():
     assert not torch.equal(make_batch(8, seed=1).images, make_batch(8, seed=2).images)
 
 
-def test_caption_text_round_trips_for_every_caption():
+def test_every_caption_has_its_own_text():
     table = all_captions()
-    assert len(table) == 180 == len(set(table))
-    assert all(Caption.parse(str(c)) == c for c in table)
+    assert len(table) == 180 == len(set(table)) == len({str(c) for c in table})
     assert str(table[0]).split()[:3] == ["small", "red", "circle"]
 
 

@@ -37,7 +37,7 @@ def test_the_interval_covers_the_exact_sampling_spread():
     diffs = (model - teacher).double()
     expected = 1.96 * (diffs.var(correction=0) / n).sqrt().item()
     diff = paired_difference([model.tolist()], teacher.tolist())
-    assert diff.half_width == pytest.approx(expected, rel=0.1)
+    assert (diff.high - diff.low) / 2 == pytest.approx(expected, rel=0.1)
 
 
 def test_misaligned_hits_are_refused():

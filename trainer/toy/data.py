@@ -107,16 +107,6 @@ class Caption:
     def __str__(self) -> str:
         return f"{self.size} {self.color} {self.shape} {self.position}"
 
-    @classmethod
-    def parse(cls, text: str) -> Caption:
-        """Read a caption back from its text; raises ValueError naming what is wrong."""
-        words = text.split()
-        if len(words) < 4:
-            raise ValueError(
-                f"caption {text!r} needs '<size> <color> <shape> <position>', e.g. 'small red circle top left'."
-            )
-        return cls(size=words[0], color=words[1], shape=words[2], position=" ".join(words[3:]))
-
 
 @dataclass(frozen=True, slots=True)
 class ToyBatch:

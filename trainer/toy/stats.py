@@ -30,10 +30,6 @@ class PairedDifference:
     seeds: int
     samples: int
 
-    @property
-    def half_width(self) -> float:
-        return (self.high - self.low) / 2
-
     def __str__(self) -> str:
         return f"{self.mean:+.3f} [{self.low:+.3f}, {self.high:+.3f}]"
 
