@@ -35,6 +35,8 @@ COMFYUI_CHECKPOINTS = "models/checkpoints"
 """Where a ComfyUI install keeps checkpoints (relative to `--model.comfyui`)."""
 COMFYUI_TEXT_ENCODERS = "models/text_encoders"
 """Where a ComfyUI install keeps text encoder files (relative to `--model.comfyui`)."""
+TEXT_ENCODERS = ("clip_l", "clip_g", "t5xxl")
+"""SD3's text encoders, named as ComfyUI names them (each is a `--model.<name>` file flag)."""
 COMFYUI_DEFAULT_CHECKPOINT = "sd3.5_medium.safetensors"
 """The checkpoint the shipped workflows load; `--model.comfyui` uses it when `--model.base` is left at `toy`."""
 DEFAULT_BASE = "toy"
@@ -122,7 +124,7 @@ class ModelConfig:
         base = COMFYUI_DEFAULT_CHECKPOINT if self.base == DEFAULT_BASE else self.base
         if "/" not in base:
             self.base = f"{root}/{COMFYUI_CHECKPOINTS}/{base}"
-        for name in ("clip_l", "clip_g", "t5xxl"):
+        for name in TEXT_ENCODERS:
             value = getattr(self, name)
             if value and "/" not in value:
                 setattr(self, name, f"{root}/{COMFYUI_TEXT_ENCODERS}/{value}")

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainer.sources import TEXT_ENCODERS, PipelineFiles, bundled_prefix
+from trainer.config import TEXT_ENCODERS
+from trainer.sources import PipelineFiles, bundled_prefix
 
 __all__ = ["load_single_file_pipeline", "load_text_encoder"]
 

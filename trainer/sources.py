@@ -15,13 +15,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config import COMFYUI_CHECKPOINTS, COMFYUI_TEXT_ENCODERS, ModelConfig
+from trainer.config import COMFYUI_CHECKPOINTS, COMFYUI_TEXT_ENCODERS, TEXT_ENCODERS, ModelConfig
 
 __all__ = [
     "COMFY_ENCODER_NAMES",
     "COMFY_TOKENIZERS",
     "PARTS_CONFIG_DIR",
-    "TEXT_ENCODERS",
     "PipelineFiles",
     "bundled_prefix",
     "find_text_parts",
@@ -30,8 +29,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-TEXT_ENCODERS = ("clip_l", "clip_g", "t5xxl")
-"""SD3's text encoders, named as ComfyUI names them."""
 COMFY_ENCODER_NAMES: dict[str, tuple[str, ...]] = {
     "clip_l": ("clip_l.safetensors",),
     "clip_g": ("clip_g.safetensors",),
