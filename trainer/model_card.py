@@ -17,7 +17,7 @@ from typing import Any
 from trainer.cli import config_to_toml
 from trainer.config import ModelConfig, TrainConfig
 from trainer.model import base_weight_files
-from trainer.presets import get_preset
+from trainer.presets import ModelPreset, get_preset
 
 __all__ = ["RUN_CARD", "base_digests", "card_name", "model_card", "sha256_file"]
 
@@ -56,8 +56,7 @@ def _rows(pairs: list[tuple[str, object]]) -> list[str]:
     return ["| setting | value |", "|---|---|", *(f"| {name} | {_value(value)} |" for name, value in pairs)]
 
 
-def _base_section(config: TrainConfig, report: Mapping[str, Any]) -> list[str]:
-    preset = get_preset(config.model.base)
+def _base_section(config: TrainConfig, report: Mapping[str, Any], preset: ModelPreset | None) -> list[str]:
     what = preset.description if preset is not None else f"`{config.model.base}`"
     lines = ["## Base model", "", f"Trained from {what} (`--model.base {config.model.base}`).", ""]
     digests = report.get("base_sha256") or {}
@@ -133,15 +132,14 @@ def _training_section(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _validation_section(config: TrainConfig, report: Mapping[str, Any]) -> list[str]:
-    preset = get_preset(config.model.base)
+def _validation_section(report: Mapping[str, Any], preset: ModelPreset | None) -> list[str]:
     evaluation = report.get(preset.evaluation_name) if preset is not None else None
     if not evaluation:
         return ["## Validation", "", "None ran in this run; compare samples with the base model."]
     return ["## Validation", "", *preset.card_section(evaluation)]
 
 
-def _usage_section(config: TrainConfig, report: Mapping[str, Any], weights_name: str) -> list[str]:
+def _usage_section(report: Mapping[str, Any], preset: ModelPreset | None, weights_name: str) -> list[str]:
     count = len(report.get("converted_layers", []))
     lines = [
         "## Use in ComfyUI",
@@ -160,7 +158,6 @@ def _usage_section(config: TrainConfig, report: Mapping[str, Any], weights_name:
         "This file has nothing to do with the `t5xxl` text encoder: T5 names the test-time-training attention "
         "here. SD3 still loads its T5-XXL text encoder (`models/text_encoders/`) as usual.",
     ]
-    preset = get_preset(config.model.base)
     if preset is not None and preset.card_note:
         lines += ["", preset.card_note]
     return lines
@@ -185,13 +182,14 @@ def model_card(config: TrainConfig, report: Mapping[str, Any], *, weights_name: 
         "Trained T5 (linear-time test-time-training) attention for an SD3-family model, made by "
         "`trainer/run.py` of T5 Linearize (arXiv 2605.02772). Load it with the T5 Linearize node.",
     ]
+    preset = get_preset(config.model.base)
     sections = (
         title,
-        _base_section(config, report),
+        _base_section(config, report, preset),
         _conversion_section(config, report),
         _recipe_section(config, report),
         _training_section(report),
-        _validation_section(config, report),
-        _usage_section(config, report, weights_name),
+        _validation_section(report, preset),
+        _usage_section(report, preset, weights_name),
     )
     return "\n\n".join("\n".join(section) for section in sections) + "\n"
