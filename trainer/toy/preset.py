@@ -30,16 +30,15 @@ logger = logging.getLogger(__name__)
 class ToySource:
     """The toy's procedural captioned shapes (`trainer.toy.data`): sample i is `make_batch(1, seed=i)`."""
 
-    def __init__(self, samples: int, *, size: int, seed_offset: int = 0) -> None:
-        self.samples, self.size, self.seed_offset = samples, size, seed_offset
-        latent = size // 2
-        self._buckets = {(latent, latent): list(range(samples))}
+    def __init__(self, samples: int, *, size: int) -> None:
+        self.size = size
+        self._buckets = {(size // 2, size // 2): list(range(samples))}
 
     def buckets(self) -> dict[tuple[int, int], list[int]]:
         return self._buckets
 
     def load(self, indices: list[int]) -> Batch:
-        parts = [toy_data.make_batch(1, seed=self.seed_offset + index, size=self.size) for index in indices]
+        parts = [toy_data.make_batch(1, seed=index, size=self.size) for index in indices]
         return Batch(
             torch.cat([p.latents for p in parts]),
             torch.cat([p.encoder_hidden_states for p in parts]),
