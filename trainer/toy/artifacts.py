@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["BLACK", "OBJECT", "background_level", "open_background_level", "token_period_energy"]
+from trainer.toy.eval import FOREGROUND
+
+__all__ = ["BLACK", "background_level", "open_background_level", "token_period_energy"]
 
 BLACK = 0.05
-"""A teacher pixel is background when its brightest channel is below this (objects are > 0.35)."""
-OBJECT = 0.35
-"""A pixel belongs to an object when its brightest channel exceeds this (ToyEval's foreground)."""
+"""A teacher pixel is background when its brightest channel is below this (objects are > `FOREGROUND`)."""
 
 
 def _check(images: Tensor, teacher_images: Tensor) -> None:
@@ -49,9 +49,9 @@ def background_level(images: Tensor, teacher_images: Tensor) -> float:
 
 def open_background_level(images: Tensor, teacher_images: Tensor, *, margin: int = 2) -> float:
     """Mean level of `images` over the teacher's black pixels more than `margin` pixels (Chebyshev
-    distance) from an object pixel of either image; 0.0 where no such pixel exists."""
+    distance) from an object pixel (ToyEval's foreground) of either image; 0.0 where no such pixel exists."""
     _check(images, teacher_images)
-    near = (torch.maximum(images.float(), teacher_images.float()).amax(dim=1, keepdim=True) > OBJECT).float()
+    near = (torch.maximum(images.float(), teacher_images.float()).amax(dim=1, keepdim=True) > FOREGROUND).float()
     near = F.max_pool2d(near, 2 * margin + 1, stride=1, padding=margin) > 0
     open_ = (teacher_images.float().amax(dim=1, keepdim=True) < BLACK) & ~near
     mask = open_.expand_as(images)
