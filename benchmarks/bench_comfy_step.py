@@ -30,13 +30,19 @@ finite latents that differ from softmax's, and each timed block finite outputs, 
 
 Two ways to get a step's time, and the table says which each row used:
 
-* measured (`--sizes`): the whole step, timed (`benchmarks.timing.time_fn`).
+* measured (`--sizes`): the whole step, timed (`benchmarks.step_harness.WholeRun`).
 * composed (`--compose`): `rest + sum over the blocks of its kind's time` (`benchmarks.step_compose`).
   Each path's kinds of block are timed in that path's own converted model, inside a real sampling
   step whose other blocks pass their inputs through (ComfyUI's `patches_replace["dit"]` hook), so a
   timed block sees the hidden states, 154 text tokens and conditioning vector of the real step. The
   rest is that step with every block passing through. At a size given to both, composed / measured is
   printed: the composition is trusted at sizes too slow to measure whole only if it is within 5 %.
+
+Rounds: after each path's warm-up steps, `--reps` rounds each time every path once in turn, its whole
+step and its composed parts, and each time is the median over the rounds. On a shared or throttled
+machine (this project's 2-core CPU delivered anywhere from 67 to 157 GFLOP/s on one fixed matmul over a
+minute, nothing else running) a slow stretch then hits every path and both methods alike, instead of
+whichever was being timed then.
 
 Attention share is the time inside attention calls over the step time, and peak memory is above what
 the process held before the step (model, T5 modules, inputs); `benchmarks.step_probes` says how both
@@ -58,12 +64,12 @@ from benchmarks.step_compose import BlockShape, kinds_of
 from benchmarks.step_harness import (
     CFG,
     TEXT_TOKENS,
+    ComposedRun,
     Step,
     StepPath,
+    WholeRun,
     build_model,
     convert_paths,
-    measure_composed,
-    measure_whole,
     path_layers,
 )
 from benchmarks.step_probes import AttentionClock, PeakMemory
@@ -180,32 +186,33 @@ def main() -> None:
         )
         print(COLUMNS)
         for size in dict.fromkeys(args.sizes + args.compose):
-            measured: dict[str, dict[str, Any]] = {}
-            if size in args.sizes:
-                reference = None
-                for path in paths:
-                    step = Step(nodes, path, config, size, clock)
-                    result = measure_whole(step, reference, warmup=args.warmup, reps=args.reps, memory=memory)
-                    reference = result.pop("latents") if path.name == "softmax" else reference
-                    result.pop("latents", None)
-                    calls |= step.calls
-                    measured[path.name] = {"size": size, "path": path.name, "step": "measured", **result}
-                    measured[path.name]["windows"] = step.windows()
-                _finish(measured, paths, rows)
-                _save(args, config, rows, comfyui=comfyui_version.__version__, calls=calls, memory=memory)
-            if size in args.compose:
-                composed = {}
-                for path in paths:
-                    step = Step(nodes, path, config, size, clock)
-                    result = measure_composed(step, path, shapes, warmup=args.warmup, reps=args.reps, memory=memory)
-                    calls |= step.calls
-                    row = {"size": size, "path": path.name, "step": "composed", **result, "windows": step.windows()}
-                    if measured.get(path.name, {}).get("status") == "ok" and result["status"] == "ok":
-                        row["composed_vs_measured"] = result["median_ms"] / measured[path.name]["median_ms"]
-                        row["peak_composed_vs_measured"] = result["peak_mib"] / measured[path.name]["peak_mib"]
-                    composed[path.name] = row
-                _finish(composed, paths, rows)
-                _save(args, config, rows, comfyui=comfyui_version.__version__, calls=calls, memory=memory)
+            whole = {p.name: WholeRun(Step(nodes, p, config, size, clock), memory) for p in paths} if size in args.sizes else {}
+            composed = {
+                p.name: ComposedRun(Step(nodes, p, config, size, clock), p, shapes, memory) for p in paths
+            } if size in args.compose else {}  # fmt: skip
+            reference = None
+            for path in paths:
+                if whole:
+                    out = whole[path.name].prepare(reference, warmup=args.warmup)
+                    reference = out if path.name == "softmax" else reference
+                if composed:
+                    composed[path.name].prepare(warmup=args.warmup)
+            for _ in range(args.reps):
+                for run in (*whole.values(), *composed.values()):
+                    run.round()
+            for kind, runs in (("measured", whole), ("composed", composed)):
+                if not runs:
+                    continue
+                rows_now = {}
+                for name, run in runs.items():
+                    calls |= run.step.calls
+                    rows_now[name] = {"size": size, "path": name, "step": kind, **run.result(), "windows": run.step.windows()}
+                    if kind == "composed" and whole and whole[name].ok and run.ok:
+                        measured = whole[name].result()
+                        rows_now[name]["composed_vs_measured"] = rows_now[name]["median_ms"] / measured["median_ms"]
+                        rows_now[name]["peak_composed_vs_measured"] = rows_now[name]["peak_mib"] / measured["peak_mib"]
+                _finish(rows_now, paths, rows)
+            _save(args, config, rows, comfyui=comfyui_version.__version__, calls=calls, memory=memory)
     print(f"speedup = {SPEEDUP_VS_SOFTMAX}; attention = time inside attention calls / step time")
 
 

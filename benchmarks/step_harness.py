@@ -4,16 +4,17 @@ one instrumented sampling step, timed whole or block by block.
 A path is softmax or the `T5Linearize` node's output for a file of seeded random T5 modules; `Step`
 is one `nodes.common_ksampler` euler step with CFG of a clone of the path's patcher, carrying an
 `APPLY_MODEL` wrapper (the batch of every model call, the running diffusion model) and the attention
-clock (`benchmarks.step_probes`). `measure_whole` times the step; `measure_composed` routes every
-joint block through ComfyUI's `patches_replace["dit"]` hook, passing its inputs through, except one
-block of each kind the path has, which is timed there on the step's own hidden states, text tokens and
-conditioning vector; the step with every block passing through is the rest
-(`benchmarks.step_compose`).
+clock (`benchmarks.step_probes`). `WholeRun` times the step; `ComposedRun` routes every joint block
+through ComfyUI's `patches_replace["dit"]` hook, passing its inputs through, except one block of each
+kind the path has, which is timed there on the step's own hidden states, text tokens and conditioning
+vector; the step with every block passing through is the rest (`benchmarks.step_compose`). Both time
+one round at a time, so that the script can run the rounds of every path in turn.
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,15 +23,15 @@ import torch
 
 from benchmarks.step_compose import BlockKind, BlockShape, compose, kinds_of
 from benchmarks.step_probes import AttentionClock, PeakMemory
-from benchmarks.timing import time_fn
+from benchmarks.timing import summarize, time_call
 from t5core import T5Attention
 from t5core.config import BaseArch
 from t5core.layers import resolve_layers
 from testing.comfy_tiny import write_t5_weights
 
 __all__ = [
-    "CFG", "HYBRID", "NEIGHBORHOOD", "TEXT_TOKENS", "Step", "StepPath", "build_model", "convert_paths",
-    "measure_composed", "measure_whole", "path_layers",
+    "CFG", "HYBRID", "NEIGHBORHOOD", "TEXT_TOKENS", "ComposedRun", "Step", "StepPath", "WholeRun", "build_model",
+    "convert_paths", "path_layers",
 ]  # fmt: skip
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -191,94 +192,166 @@ class Step:
         return out
 
 
-def _timed(run, *, reps: int, clock: AttentionClock, memory: PeakMemory) -> dict[str, float]:
-    """Time `run` (its warmup calls already made), with its attention time and calls per run, and the peak
-    memory over the runs."""
-    clock.take_ms()
-    memory.start()
-    timing = time_fn(run, warmup=0, reps=reps)
-    calls = clock.calls / reps
-    attention = clock.take_ms() / reps
-    peak, held = memory.stop_mib()
-    return {**timing, "attention_ms": attention, "attention_calls": calls, "peak_mib": peak, "held_mib": held}
+class WholeRun:
+    """A path's whole step at one size, timed one step per round (`round`) after `prepare`.
+
+    Rounds of every path run in turn (`bench_comfy_step`), so a slow stretch of a shared machine hits
+    every path alike instead of whichever path was being timed then.
+    """
+
+    def __init__(self, step: Step, memory: PeakMemory) -> None:
+        self.step, self.memory = step, memory
+        self.times: list[float] = []
+        self.attention: list[float] = []
+        self.peak = self.held = 0.0
+        self.ok = False
+
+    def prepare(self, reference: torch.Tensor | None, *, warmup: int) -> torch.Tensor:
+        """Run the check step and the other warm-up steps; `ok` is False when a T5 path's latents are not
+        finite or equal softmax's (`reference`, None for softmax itself). Returns the check step's output."""
+        out = self.step()
+        for _ in range(warmup - 1):
+            self.step()
+        self.ok = reference is None or bool(torch.isfinite(out).all() and not torch.equal(out, reference))
+        return out
+
+    def round(self) -> None:
+        """One timed step with its attention time; the first also measures the peak memory."""
+        if not self.ok:
+            return
+        clock = self.step.clock
+        clock.take_ms()
+        first = not self.times
+        if first:
+            self.memory.start()
+        self.times.append(time_call(self.step))
+        if first:
+            self.peak, self.held = self.memory.stop_mib()
+        expected = len(self.step.attention_modules) * len(self.step.batches)
+        if clock.calls != expected:
+            raise RuntimeError(
+                f"the attention clock saw {clock.calls} calls in a step, expected {expected} (every attention "
+                "module once per model call): a call site is not instrumented in this ComfyUI."
+            )
+        self.attention.append(clock.take_ms())
+
+    def result(self) -> dict[str, Any]:
+        if not self.ok:
+            return {"status": "FAIL"}
+        return {
+            **summarize(self.times),
+            "attention_ms": statistics.median(self.attention),
+            "attention_calls": len(self.step.attention_modules) * len(self.step.batches),
+            "peak_mib": self.peak,
+            "held_mib": self.held,
+            "status": "ok",
+        }
 
 
-def measure_whole(
-    step: Step, reference: torch.Tensor | None, *, warmup: int, reps: int, memory: PeakMemory
-) -> dict[str, Any]:
-    """The whole step, timed; `status` FAIL when a T5 path's latents are not finite or equal softmax's
-    (`reference`, None for softmax itself). `latents` is the first run's output."""
-    out = step()
-    for _ in range(warmup - 1):
-        step()
-    if reference is not None and not (torch.isfinite(out).all() and not torch.equal(out, reference)):
-        return {"status": "FAIL", "latents": out}
-    timed = _timed(step, reps=reps, clock=step.clock, memory=memory)
-    expected = len(step.attention_modules) * len(step.batches)
-    if timed["attention_calls"] != expected:
-        raise RuntimeError(
-            f"the attention clock saw {timed['attention_calls']:g} calls per step, expected {expected} (every "
-            "attention module once per model call): a call site is not instrumented in this ComfyUI."
-        )
-    return {**timed, "status": "ok", "latents": out}
+class ComposedRun:
+    """A path's step at one size composed from its parts (`benchmarks.step_compose`), one round at a time.
 
+    Every joint block is routed through ComfyUI's `patches_replace["dit"]` hook. A round times the rest
+    (a step whose blocks all pass their inputs through) and then one step in which the first block of
+    each kind the path has runs once, timed, on the step's own hidden states, text tokens and
+    conditioning vector, before passing its inputs on. Medians over the rounds are composed.
+    """
 
-def measure_composed(
-    step: Step, path: StepPath, shapes: list[BlockShape], *, warmup: int, reps: int, memory: PeakMemory
-) -> dict[str, Any]:
-    """Rest and one block of each kind the path has, timed inside the path's own sampling step, and the
-    step composed from them; the peak is that of the step timing the blocks, which runs every kind."""
-    clock = step.clock
-    kinds = kinds_of(shapes, path.layers, path.joint_mode)
-    first = {kind: kinds.index(kind) for kind in dict.fromkeys(kinds)}
-    timed_at = {index: kind for kind, index in first.items()}
-    blocks: dict[BlockKind, dict[str, Any]] = {}
-    state = {"measure": False}
+    def __init__(self, step: Step, path: StepPath, shapes: list[BlockShape], memory: PeakMemory) -> None:
+        self.step, self.memory = step, memory
+        self.kinds = kinds_of(shapes, path.layers, path.joint_mode)
+        self.first = {kind: self.kinds.index(kind) for kind in dict.fromkeys(self.kinds)}
+        self._timed_at = {index: kind for kind, index in self.first.items()}
+        self._running = False
+        self.rest: list[float] = []
+        self.rest_attention: list[float] = []
+        self.blocks: dict[BlockKind, list[float]] = {kind: [] for kind in self.first}
+        self.block_attention: dict[BlockKind, list[float]] = {kind: [] for kind in self.first}
+        self.finite = True
+        self.ok = False
+        self.peak = self.held = 0.0
+        step.replace_blocks(self._replacement)
 
-    def make(index: int):
+    def _replacement(self, index: int):
         def replacement(inputs: dict, extra: dict) -> dict:
-            kind = timed_at.get(index) if state["measure"] else None
+            kind = self._timed_at.get(index) if self._running else None
             if kind is not None:
-                block = step.diffusion.joint_blocks[index]
-
-                def run():
-                    return block(inputs["txt"], inputs["img"], c=inputs["vec"], use_checkpoint=False,
-                                 transformer_options=inputs["transformer_options"])  # fmt: skip
-
-                finite = all(t is None or bool(torch.isfinite(t).all()) for t in run())
-                for _ in range(warmup - 1):
-                    run()
-                clock.take_ms()
-                timing = time_fn(run, warmup=0, reps=reps)
-                calls, attention = clock.calls / reps, clock.take_ms() / reps
-                if calls != 1 + kind.shape.attn2:
-                    raise RuntimeError(f"block {index}: the attention clock saw {calls:g} calls per block call.")
-                blocks[kind] = {**timing, "attention_ms": attention, "finite": finite}
+                self._run_block(index, kind, inputs)
             return {"txt": inputs["txt"], "img": inputs["img"]}
 
         return replacement
 
-    step.replace_blocks(make)
-    for _ in range(warmup):
-        step()
-    rest = _timed(step, reps=reps, clock=clock, memory=memory)
-    state["measure"] = True
-    memory.start()
-    step()
-    peak, held = memory.stop_mib()
-    ok = all(block["finite"] for block in blocks.values())
-    per_kind = {kind: block["median_ms"] for kind, block in blocks.items()}
-    attention = {kind: block["attention_ms"] for kind, block in blocks.items()}
-    return {
-        "median_ms": compose(rest["median_ms"], per_kind, kinds),
-        "attention_ms": compose(rest["attention_ms"], attention, kinds),
-        "peak_mib": max(peak, rest["peak_mib"]),
-        "held_mib": held,
-        "rest_ms": rest["median_ms"],
-        "rest_attention_ms": rest["attention_ms"],
-        "blocks": [
-            {"kind": kind.label(), "count": kinds.count(kind), "timed_block": first[kind], **blocks[kind]}
-            for kind in first
-        ],
-        "status": "ok" if ok else "FAIL",
-    }
+    def _run_block(self, index: int, kind: BlockKind, inputs: dict) -> None:
+        block, clock = self.step.diffusion.joint_blocks[index], self.step.clock
+        outputs: tuple = ()
+
+        def run() -> None:
+            nonlocal outputs
+            outputs = block(inputs["txt"], inputs["img"], c=inputs["vec"], use_checkpoint=False,
+                            transformer_options=inputs["transformer_options"])  # fmt: skip
+
+        clock.take_ms()
+        self.blocks[kind].append(time_call(run))
+        if clock.calls != 1 + kind.shape.attn2:
+            raise RuntimeError(f"block {index}: the attention clock saw {clock.calls} calls in one block call.")
+        self.block_attention[kind].append(clock.take_ms())
+        self.finite &= all(t is None or bool(torch.isfinite(t).all()) for t in outputs)
+
+    def _blocks_step(self) -> None:
+        self._running = True
+        try:
+            self.step()
+        finally:
+            self._running = False
+
+    def prepare(self, *, warmup: int) -> None:
+        """Warm-up steps, each running every timed block once (their times are dropped) and the rest once;
+        the first checks that every timed block's outputs are finite."""
+        for _ in range(warmup):
+            self._blocks_step()
+            self.step()
+        self.ok = self.finite
+        for times in (*self.blocks.values(), *self.block_attention.values()):
+            times.clear()
+
+    def round(self) -> None:
+        """Time the rest once and every kind's block once; the first round also measures the peak memory
+        (over the step that runs the blocks)."""
+        if not self.ok:
+            return
+        clock = self.step.clock
+        clock.take_ms()
+        self.rest.append(time_call(self.step))
+        self.rest_attention.append(clock.take_ms())
+        first = len(self.rest) == 1
+        if first:
+            self.memory.start()
+        self._blocks_step()
+        if first:
+            self.peak, self.held = self.memory.stop_mib()
+
+    def result(self) -> dict[str, Any]:
+        if not self.ok:
+            return {"status": "FAIL"}
+        per_kind = {kind: statistics.median(times) for kind, times in self.blocks.items()}
+        attention = {kind: statistics.median(times) for kind, times in self.block_attention.items()}
+        rest, rest_attention = statistics.median(self.rest), statistics.median(self.rest_attention)
+        return {
+            "median_ms": compose(rest, per_kind, self.kinds),
+            "attention_ms": compose(rest_attention, attention, self.kinds),
+            "peak_mib": self.peak,
+            "held_mib": self.held,
+            "rest_ms": rest,
+            "rest_attention_ms": rest_attention,
+            "blocks": [
+                {
+                    "kind": kind.label(),
+                    "count": self.kinds.count(kind),
+                    "timed_block": index,
+                    **summarize(self.blocks[kind]),
+                    "attention_ms": attention[kind],
+                }
+                for kind, index in self.first.items()
+            ],
+            "status": "ok",
+        }

@@ -21,7 +21,10 @@ import torch
 
 from t5core.atomic import write_text_atomic
 
-__all__ = ["RESULTS_DIR", "SPEEDUP_VS_SOFTMAX", "environment", "header_line", "speedup", "time_fn", "write_json"]
+__all__ = [
+    "RESULTS_DIR", "SPEEDUP_VS_SOFTMAX", "environment", "header_line", "speedup", "summarize", "time_call", "time_fn",
+    "write_json",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +51,32 @@ def _cuda_in_use() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def time_fn(fn: Callable[[], Any], *, warmup: int = 5, reps: int = 20) -> dict[str, float]:
-    """Time `fn()` and return its median and 20 / 80 % quantiles in milliseconds.
+def time_call(fn: Callable[[], Any]) -> float:
+    """The time of one `fn()` call in milliseconds: CUDA events after a device synchronisation when `fn`
+    uses CUDA (queued work is not mistaken for finished work), else wall-clock `perf_counter`."""
+    if _cuda_in_use():
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    begin = time.perf_counter()
+    fn()
+    return (time.perf_counter() - begin) * 1e3
 
-    Inputs must be built before the call (only `fn()` is timed). When `fn` uses CUDA, each repetition
-    is timed with CUDA events after a device synchronisation, so queued work is not mistaken for
-    finished work; otherwise wall-clock `perf_counter` is used.
+
+def summarize(times_ms: list[float]) -> dict[str, float]:
+    """`{"median_ms", "p20_ms", "p80_ms"}` of at least two times."""
+    deciles = statistics.quantiles(times_ms, n=10, method="inclusive")
+    return {"median_ms": statistics.median(times_ms), "p20_ms": deciles[1], "p80_ms": deciles[7]}
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 5, reps: int = 20) -> dict[str, float]:
+    """Time `fn()` (`time_call`) and return its median and 20 / 80 % quantiles in milliseconds.
+
+    Inputs must be built before the call (only `fn()` is timed).
 
     Args:
         fn (`Callable[[], Any]`): the work to time; called `warmup + reps` times.
@@ -70,23 +93,7 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 5, reps: int = 20) -> dict[s
         raise ValueError(f"time_fn needs reps >= 2 and warmup >= 0; got reps={reps}, warmup={warmup}.")
     for _ in range(warmup):
         fn()
-    cuda = _cuda_in_use()
-    times_ms: list[float] = []
-    for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times_ms.append(start.elapsed_time(end))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times_ms.append((time.perf_counter() - begin) * 1e3)
-    deciles = statistics.quantiles(times_ms, n=10, method="inclusive")
-    return {"median_ms": statistics.median(times_ms), "p20_ms": deciles[1], "p80_ms": deciles[7]}
+    return summarize([time_call(fn) for _ in range(reps)])
 
 
 def _git_commit() -> str:
