@@ -89,8 +89,13 @@ def test_two_processes_match_one(inputs, single, mode, extra, interrupted):
     torch.testing.assert_close(_losses(out), _losses(single), rtol=1e-5, atol=1e-6)
     reference, exported = load_file(str(single / "t5.safetensors")), load_file(str(out / "t5.safetensors"))
     assert exported.keys() == reference.keys()
+    # AdamW divides each gradient element by its running RMS, so an element whose gradient is near zero
+    # carries the reordering noise into its update (1.8e-6 on one element of 512, seen on an AMD EPYC);
+    # atol is a tenth of one step of a new T5 parameter (lr 1e-4), so a wrong update still fails
     for key in reference:
-        torch.testing.assert_close(exported[key], reference[key], rtol=1e-4, atol=1e-6, msg=key)
+        torch.testing.assert_close(
+            exported[key], reference[key], rtol=1e-4, atol=1e-5, msg=lambda message, key=key: f"{key}: {message}"
+        )
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["t5.safetensors"]
     assert not list(out.rglob("*.tmp"))
 
