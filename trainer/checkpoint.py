@@ -113,14 +113,27 @@ class Resumed:
 class CheckpointManager:
     """Saves and restores model, optimizer, scheduler, step, data position and RNG.
 
+    It finds, lists and clears checkpoints from the start; `track` hands it the run's (wrapped) model,
+    optimizer and scheduler once they are built, which `save` and `load` then use.
+
     Args:
         folder: the checkpoints folder (`<output.dir>/checkpoints`).
         world: this process's `World` (saving and loading are collective calls).
         keep: how many newest checkpoints to keep.
     """
 
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
     def __init__(self, folder: str | Path, world: World, *, keep: int) -> None:
         self.folder, self.world, self.keep = Path(folder), world, keep
+
+    def track(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
+    ) -> None:
+        """Save and load these from now on (the wrapped model, as the loop trains it)."""
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints (those with `state.json`), oldest first."""
@@ -143,22 +156,14 @@ class CheckpointManager:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    def save(
-        self,
-        step: int,
-        *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
-        state: dict[str, Any],
-    ) -> Path:
-        """Write `step-{step}` atomically (collective). Returns its path.
+    def save(self, step: int, *, state: dict[str, Any]) -> Path:
+        """Write `step-{step}` atomically (collective), with `state` added to `state.json`. Returns its path.
 
         Raises:
             OSError: the checkpoint could not be written on some rank; earlier checkpoints are kept.
         """
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-        model_state, optim_state = get_state_dict(model, optimizer, options=options)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         final = self.folder / f"step-{step}"
         temp = self.folder / f".step-{step}.tmp"
         error: BaseException | None = None
@@ -177,7 +182,7 @@ class CheckpointManager:
             try:
                 save_file({k: v.contiguous() for k, v in model_state.items()}, str(temp / "model.safetensors"))
                 torch.save(optim_state, temp / "optimizer.pt")
-                payload = {"step": step, "scheduler": scheduler.state_dict(), **state}
+                payload = {"step": step, "scheduler": self.scheduler.state_dict(), **state}
                 (temp / STATE_FILE).write_text(json.dumps(payload, indent=1, default=str), encoding="utf-8")
                 self._move_into_place(temp, final)
                 self._prune()
@@ -215,15 +220,8 @@ class CheckpointManager:
         for old in self.steps()[: -self.keep]:
             shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
 
-    def load(
-        self,
-        path: str | Path,
-        *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
-    ) -> Resumed:
-        """Restore a checkpoint into the (wrapped) model, optimizer, scheduler and RNG (collective).
+    def load(self, path: str | Path) -> Resumed:
+        """Restore a checkpoint into the tracked model, optimizer and scheduler, and the RNG (collective).
 
         Each rank restores its own RNG when the world size is unchanged (otherwise the rank seeds of
         the new world stay in force, with a warning).
@@ -242,18 +240,18 @@ class CheckpointManager:
         # the other ranks the read, but it deadlocks under FSDP2 with gloo in torch 2.14.)
         model_state = load_file(str(path / "model.safetensors"))
         optim_state = torch.load(path / "optimizer.pt", weights_only=True)
-        renames = _legacy_names(list(model_state), model)
+        renames = _legacy_names(list(model_state), self.model)
         if renames:
             _rename(model_state, optim_state, renames)
             logger.info("Checkpoint: %d T5 parameters renamed from before t5core's FastWeights (t5.w1)", len(renames))
         set_state_dict(
-            model,
-            optimizer,
+            self.model,
+            self.optimizer,
             model_state_dict=model_state,
             optim_state_dict=optim_state,
             options=StateDictOptions(full_state_dict=True, strict=False),
         )
-        scheduler.load_state_dict(state.pop("scheduler"))
+        self.scheduler.load_state_dict(state.pop("scheduler"))
         rng_file = path / f"rng-{self.world.rank}.pt"
         if state.get("world_size") == self.world.world_size and rng_file.is_file():
             _set_rng_state(torch.load(rng_file, weights_only=True))
@@ -321,18 +319,11 @@ def _check_resume_config(saved_text: str, config: TrainConfig) -> None:
         )
 
 
-def resume_from(
-    path: Path | None,
-    checkpoints: CheckpointManager,
-    *,
-    config: TrainConfig,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> int:
-    """Load `path` (from `resume_path`; None: start at 0) into the run and check its settings; returns its step."""
+def resume_from(path: Path | None, checkpoints: CheckpointManager, *, config: TrainConfig) -> int:
+    """Load `path` (from `resume_path`; None: start at 0) into what `checkpoints` tracks and check its settings;
+    returns its step."""
     if path is None:
         return 0
-    resumed = checkpoints.load(path, model=model, optimizer=optimizer, scheduler=scheduler)
+    resumed = checkpoints.load(path)
     _check_resume_config(resumed.state["config"], config)
     return resumed.step

@@ -155,13 +155,7 @@ def train_loop(parts: TrainParts, *, start_step: int) -> LoopResult:
             stop = _out_of_time(parts, deadline)
             every = config.checkpoint.every
             if (every and step % every == 0) or step == total or stop:
-                parts.checkpoints.save(
-                    step,
-                    model=parts.model,
-                    optimizer=parts.optimizer,
-                    scheduler=parts.scheduler,
-                    state={**run_state, "data_position": step},
-                )
+                parts.checkpoints.save(step, state={**run_state, "data_position": step})
             if stop:
                 reason = "time"
                 logger.info(

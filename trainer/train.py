@@ -229,9 +229,8 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     parts = _train_parts(
         config, world, handle, split, teacher=teacher, source=source, plan=plan, checkpoints=checkpoints, output=output
     )
-    start = resume_from(
-        resume, checkpoints, config=config, model=parts.model, optimizer=parts.optimizer, scheduler=parts.scheduler
-    )
+    checkpoints.track(parts.model, parts.optimizer, parts.scheduler)
+    start = resume_from(resume, checkpoints, config=config)
     parts.metrics.resume_at(start)
     _log_built(config, handle, world, start)
     result = train_loop(parts, start_step=start)

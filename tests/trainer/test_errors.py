@@ -129,17 +129,18 @@ def test_checkpoint_write_failure_keeps_earlier_checkpoints(tmp_path):
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
         scheduler = build_scheduler(optimizer, parse_args([]).optim, steps=10)
         manager = CheckpointManager(tmp_path / "checkpoints", world, keep=3)
+        manager.track(model, optimizer, scheduler)
         model(torch.ones(1, 3)).sum().backward()
         optimizer.step()
-        manager.save(1, model=model, optimizer=optimizer, scheduler=scheduler, state={"world_size": 1})
+        manager.save(1, state={"world_size": 1})
         (tmp_path / "checkpoints" / ".step-2.tmp").write_text("in the way")  # the temp folder cannot be made
         with pytest.raises(OSError, match=r"could not write checkpoint .*step-2 .* the earlier checkpoints are intact"):
-            manager.save(2, model=model, optimizer=optimizer, scheduler=scheduler, state={"world_size": 1})
+            manager.save(2, state={"world_size": 1})
         assert manager.steps() == [1]
         saved = model.weight.detach().clone()
         with torch.no_grad():
             model.weight.zero_()
-        resumed = manager.load(manager.latest(), model=model, optimizer=optimizer, scheduler=scheduler)
+        resumed = manager.load(manager.latest())
         assert resumed.step == 1
         torch.testing.assert_close(model.weight.detach(), saved, rtol=0, atol=0)
     finally:
