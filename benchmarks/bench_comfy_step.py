@@ -186,10 +186,10 @@ def main() -> None:
         )
         print(COLUMNS)
         for size in dict.fromkeys(args.sizes + args.compose):
-            whole = {p.name: WholeRun(Step(nodes, p, config, size, clock), memory) for p in paths} if size in args.sizes else {}
-            composed = {
-                p.name: ComposedRun(Step(nodes, p, config, size, clock), p, shapes, memory) for p in paths
-            } if size in args.compose else {}  # fmt: skip
+            timed = [p for p in paths if size in args.sizes]
+            whole = {p.name: WholeRun(Step(nodes, p, config, size, clock), memory) for p in timed}
+            composing = [p for p in paths if size in args.compose]
+            composed = {p.name: ComposedRun(Step(nodes, p, config, size, clock), p, shapes, memory) for p in composing}
             reference = None
             for path in paths:
                 if whole:
@@ -200,18 +200,16 @@ def main() -> None:
             for _ in range(args.reps):
                 for run in (*whole.values(), *composed.values()):
                     run.round()
-            for kind, runs in (("measured", whole), ("composed", composed)):
-                if not runs:
-                    continue
-                rows_now = {}
-                for name, run in runs.items():
-                    calls |= run.step.calls
-                    rows_now[name] = {"size": size, "path": name, "step": kind, **run.result(), "windows": run.step.windows()}
-                    if kind == "composed" and whole and whole[name].ok and run.ok:
-                        measured = whole[name].result()
-                        rows_now[name]["composed_vs_measured"] = rows_now[name]["median_ms"] / measured["median_ms"]
-                        rows_now[name]["peak_composed_vs_measured"] = rows_now[name]["peak_mib"] / measured["peak_mib"]
-                _finish(rows_now, paths, rows)
+            measured = _rows(whole, size, "measured", calls)
+            if measured:
+                _finish(measured, paths, rows)
+            if composed:
+                by_path = _rows(composed, size, "composed", calls)
+                for name, row in by_path.items():
+                    if measured.get(name, {}).get("status") == "ok" and row["status"] == "ok":
+                        row["composed_vs_measured"] = row["median_ms"] / measured[name]["median_ms"]
+                        row["peak_composed_vs_measured"] = row["peak_mib"] / measured[name]["peak_mib"]
+                _finish(by_path, paths, rows)
             _save(args, config, rows, comfyui=comfyui_version.__version__, calls=calls, memory=memory)
     print(f"speedup = {SPEEDUP_VS_SOFTMAX}; attention = time inside attention calls / step time")
 
@@ -238,6 +236,16 @@ def _save(args, config: dict, rows: list[dict[str, Any]], *, comfyui: str, calls
         "composition_tolerance": COMPOSITION_GOAL,
     }
     write_json(f"comfy_step_whole_{args.device}", rows, meta, directory=args.results_dir)
+
+
+def _rows(runs: dict, size: int, step: str, calls: set) -> dict[str, dict[str, Any]]:
+    """One size's rows of one kind (`step`: measured or composed) from its runs, by path; adds each step's
+    model-call batches to `calls`."""
+    rows = {}
+    for name, run in runs.items():
+        calls |= run.step.calls
+        rows[name] = {"size": size, "path": name, "step": step, **run.result(), "windows": run.step.windows()}
+    return rows
 
 
 def _finish(by_path: dict[str, dict[str, Any]], paths: list[StepPath], rows: list[dict[str, Any]]) -> None:
