@@ -20,6 +20,14 @@ Peak memory: the most memory one call holds at once above its inputs and output 
 record of every allocation, which counts the tensors themselves, not the process RSS, so unlike time
 it is not disturbed by load.
 
+Resident memory, as users see it: the rise of the process's peak resident set (`VmHWM`) that one
+call causes, measured in two child processes that build the same inputs: one runs the call, the other
+only allocates and fills an output of the same size, and the row is the difference (issue 20's
+measure). Unlike the peak above, it includes what the allocator keeps or fragments, thread pools and the
+code the call loads. It reads `VmHWM`, not `ru_maxrss`: Linux carries `ru_maxrss` across a spawned
+child's `exec`, so both children would report this process's resident set at the fork (every row read
+0 MiB that way).
+
 `--chunk-sweep` also times the chunked path (in turn, as above) and measures its peak at the largest
 N for each chunk size given (how `t5core.ttt_chunked.DEFAULT_CHUNK_TOKENS` was chosen). The table is printed with
 the goals of issue 12 (chunked peak <= 2 inputs, speedup >= 10, growth 4096 -> 16384 <= 5) and the
@@ -31,6 +39,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import multiprocessing
 import os
 import statistics
 from collections.abc import Callable
@@ -39,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from benchmarks.step_probes import peak_resident_mib
 from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, time_fn, write_json
 from t5core import T5Attention
 from t5core.ttt import t5_attention_ref
@@ -47,6 +57,8 @@ from testing.peak_memory import peak_memory_mib
 from testing.tolerances import CHUNKED_RATIO, relative_rms
 
 PATHS = ("sdpa", "ref", "chunked")
+RESIDENT_PATHS = ("sdpa", "chunked")
+"""The paths whose resident memory is measured (`ref` holds whole-sequence intermediates by design)."""
 
 
 def make_case(n: int, args: argparse.Namespace) -> tuple[dict[str, Callable[..., Tensor]], Callable[[], float]]:
@@ -89,6 +101,35 @@ def make_case(n: int, args: argparse.Namespace) -> tuple[dict[str, Callable[...,
     return {"sdpa": run_sdpa, "ref": run_ref, "chunked": run_chunked}, check
 
 
+def _resident_child(path: str, n: int, args: argparse.Namespace, conn) -> None:
+    """In a fresh process: build the inputs at `n`, then run the `path` call, or for `path=None` only fill
+    an output of its size; send the peak resident set in MiB."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    fns, _ = make_case(n, args)
+    out = fns[path]() if path else torch.ones(1, n, args.heads, args.head_dim, dtype=getattr(torch, args.dtype))
+    conn.send(peak_resident_mib())
+    del out
+
+
+def resident_rise_mib(path: str, n: int, args: argparse.Namespace) -> float:
+    """How far one `path` call at `n` tokens raises the peak resident set of a process holding its inputs
+    and output, in MiB: the peak resident set (`VmHWM`) of a child that runs it less that of one that does
+    not (module docstring). CPU only."""
+    context = multiprocessing.get_context("spawn")
+    peaks = []
+    for child_path in (path, None):
+        receive, send = context.Pipe(duplex=False)
+        child = context.Process(target=_resident_child, args=(child_path, n, args, send))
+        child.start()
+        peak = receive.recv()
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"the resident-memory child for {child_path or 'the baseline'} exited {child.exitcode}.")
+        peaks.append(peak)
+    return peaks[0] - peaks[1]
+
+
 def time_in_turn(fns: dict[str, Callable[[], Tensor]], rounds: int) -> dict[str, dict[str, float]]:
     """`{"median_ms", "p20_ms", "p80_ms"}` per path over `rounds` rounds that time every path in turn."""
     for fn in fns.values():
@@ -118,6 +159,8 @@ def measure(n: int, args: argparse.Namespace, previous: dict | None) -> dict:
         row.update({f"{path}_{key}": value for key, value in timing.items()})
         row[f"{path}_peak_mib"] = peak_memory_mib(fns[path], args.device)
         row[f"{path}_growth"] = row[f"{path}_median_ms"] / previous[f"{path}_median_ms"] if previous else None
+    if args.device == "cpu":
+        row.update({f"{path}_resident_mib": resident_rise_mib(path, n, args) for path in RESIDENT_PATHS})
     for path in ("ref", "chunked"):
         row[f"{path}_speedup_vs_sdpa"] = speedup(row["sdpa_median_ms"], row[f"{path}_median_ms"])
     return row
@@ -148,7 +191,8 @@ def print_row(row: dict) -> None:
     speedups = " ".join(f"{row[f'{path}_speedup_vs_sdpa']:>7.2f}x" for path in ("ref", "chunked"))
     growth = " ".join(f"{_fmt(row[f'{path}_growth'], '.2f'):>6}" for path in PATHS)
     peaks = " ".join(f"{row[f'{path}_peak_mib']:>7.0f}" for path in PATHS)
-    print(f"{row['tokens']:>6} {times} {speedups} {growth} {peaks}")
+    resident = " ".join(f"{_fmt(row.get(f'{path}_resident_mib'), '.0f'):>7}" for path in RESIDENT_PATHS)
+    print(f"{row['tokens']:>6} {times} {speedups} {growth} {peaks} {resident}")
 
 
 def goals(rows: list[dict]) -> list[str]:
@@ -164,6 +208,12 @@ def goals(rows: list[dict]) -> list[str]:
         f"speedup vs SDPA >= 10x at N={last['tokens']}: {last['chunked_speedup_vs_sdpa']:.1f}x -> "
         f"{'met' if last['chunked_speedup_vs_sdpa'] >= 10 else 'NOT met'}",
     ]
+    if "chunked_resident_mib" in last:
+        resident = last["chunked_resident_mib"]
+        lines.append(
+            f"resident rise <= 2 inputs ({budget:.0f} MiB) at N={last['tokens']}: {resident:.0f} MiB -> "
+            f"{'met' if resident <= budget else 'NOT met'}"
+        )
     if last["chunked_growth"] is not None:
         growth = last["chunked_growth"]
         lines.append(
@@ -203,7 +253,8 @@ def main() -> None:
     )
     print(
         f"{'N':>6} {'sdpa ms':>9} {'ref ms':>9} {'chunk ms':>9} {'ref':>8} {'chunked':>8} "
-        f"{'sdpa x':>6} {'ref x':>6} {'chk x':>6} {'sdpa MiB':>7} {'ref MiB':>7} {'chk MiB':>7}"
+        f"{'sdpa x':>6} {'ref x':>6} {'chk x':>6} {'sdpa MiB':>7} {'ref MiB':>7} {'chk MiB':>7} "
+        f"{'sdpa RSS':>7} {'chk RSS':>7}"
     )
     rows: list[dict] = []
     for n in args.tokens:
@@ -212,7 +263,8 @@ def main() -> None:
         print_row(rows[-1])
     print(
         f"'ref' / 'chunked': {SPEEDUP_VS_SOFTMAX}, softmax = SDPA (> 1: T5 is faster). 'x' columns: time growth "
-        "from the previous N (4x tokens: linear = 4, quadratic = 16). MiB: peak above inputs and output."
+        "from the previous N (4x tokens: linear = 4, quadratic = 16). MiB: peak above inputs and output. "
+        "RSS: rise of the peak resident set above a process holding the same inputs and output (CPU)."
     )
     for line in goals(rows):
         print("goal:", line)

@@ -4,28 +4,27 @@ The measurement, one run and one JSON (written after each size, so a stopped run
 
     python -m benchmarks.bench_comfy_step --sizes 1024 --compose 1024 2048 --warmup 1 --reps 2
     python -m benchmarks.bench_comfy_step --device cuda --dtype bf16 --sizes 1024 --compose 1024 2048 \
-        --warmup 2 --reps 5  # the GPU row: benchmarks/gpu_check.sh, stage step
+        --warmup 2 --reps 5 --block-reps 3  # the GPU row: benchmarks/gpu_check.sh, stage step
 
-On 2 otherwise idle CPU cores in fp32 the first takes about 1 hour, and up to 2.5 hours if the
-cores run at 50 GFLOP/s rather than 150 (estimates from FLOP counts: bench_attention's SDPA reached
-about 160 GFLOP/s on a quiet machine, the older 2-block table implies 50): the whole step at
-1024x1024 30-90 min (a softmax step 2.5-7 min, T5 paths 1.7-6 min; 3 steps per path), composed
-1024x1024 3-9 min, composed 2048x2048 17-50 min (a softmax block with attn2 1-3 min a call, 3 calls
-per kind of block; the softmax step it composes is 20-60 min). The fp32 model holds about 10 GB.
+Times measured on 2 CPU cores in fp32 (an AMD EPYC host): the first command's 1024x1024 section for
+five paths, 63 min; the two in "Rounds" below, 41 min (softmax and `all`, 3 rounds of 3 block runs)
+and 48 min (six paths at 2048x2048, where a softmax step composes to 35 min and one softmax block with
+attn2 takes about 53 s per model call). The fp32 model holds about 10 GB.
 `--plan` prints which kinds of block each path adds up, without running anything; a smoke test at
 toy size takes under a minute: `--blocks 2 --sizes 64 --compose 64 --warmup 1 --reps 2`.
 
 The model is ComfyUI's own MMDiT with SD3.5 Medium's architecture (24 joint blocks, 24 heads x 64,
 MMDiT-X `attn2` on blocks 0-12, q/k RMSNorm) and seeded random weights; `--blocks N` keeps only the
 first N blocks, for smoke tests. A step is `nodes.common_ksampler` with one euler step and CFG 4.5:
-cond and uncond (154 text tokens each) batched into one model call of batch 2, which the script
-checks. Softmax is ComfyUI's attention forced to PyTorch SDPA. Each T5 path is the output of the
-`T5Linearize` node, loaded into ComfyUI as a custom node pack, given a file of seeded random T5
-modules for its layer spec: `paper`, `all`, `<spec>-hybrid` for the same modules with
-`T5Config.joint_mode = "hybrid"` (exact softmax wherever text takes part, T5 between image tokens;
-only joint `attn` modules change), and a trailing `-na` (`all-hybrid-na`) for the 5x5 neighbourhood
-softmax blended into every converted module's image rows (`T5Config.neighborhood = 5`; each row
-records the windows of the T5 modules its step ran). Before timing, each path's whole step must give
+cond and uncond (154 text tokens each), which ComfyUI runs as one model call of batch 2, or as two of
+batch 1 where it judges memory short (2048x2048 on this CPU); the JSON records the calls of every step,
+and a composed step counts each block once per call. Softmax is ComfyUI's attention forced to PyTorch
+SDPA. Each T5 path is the output of the `T5Linearize` node, loaded into ComfyUI as a custom node pack,
+given a file of seeded random T5 modules for its layer spec: `paper`, `all`, `<spec>-hybrid` for the
+same modules with `T5Config.joint_mode = "hybrid"` (exact softmax wherever text takes part, T5 between
+image tokens; only joint `attn` modules change), and a trailing `-na` (`all-hybrid-na`) for the 5x5
+neighbourhood softmax blended into every converted module's image rows (`T5Config.neighborhood = 5`;
+each row records the windows of the T5 modules its step ran). Before timing, each path's whole step must give
 finite latents that differ from softmax's, and each timed block finite outputs, else its row says FAIL.
 
 Two ways to get a step's time, and the table says which each row used:
@@ -39,15 +38,24 @@ Two ways to get a step's time, and the table says which each row used:
   printed: the composition is trusted at sizes too slow to measure whole only if it is within 5 %.
 
 Rounds: after each path's warm-up steps, `--reps` rounds each time every path once in turn, its whole
-step and its composed parts, and each time is the median over the rounds. On a shared or throttled
-machine (this project's 2-core CPU delivered anywhere from 67 to 157 GFLOP/s on one fixed matmul over a
-minute, nothing else running) a slow stretch then hits every path and both methods alike, instead of
-whichever was being timed then.
+step and right after it its composed parts, and each time is the median over the rounds. On a shared or
+throttled machine (this project's 2-core CPU delivered anywhere from 67 to 157 GFLOP/s on one fixed
+matmul over a minute, nothing else running) a slow stretch then hits every path and both methods alike,
+instead of whichever was being timed then. `--block-reps` times each kind of block that many times per
+round (a block at 1024x1024 takes seconds, short enough for such a stretch to move it), and each row
+also gives composed / measured round by round, each round's composed step from its own block times
+against the whole step timed just before them. `--suffix` names the JSON apart, so that a
+composition check and a composed-only size can be kept beside the main table:
+
+    python -m benchmarks.bench_comfy_step --sizes 1024 --compose 1024 --specs all --reps 3 --block-reps 3 \
+        --suffix _composition
+    python -m benchmarks.bench_comfy_step --sizes --compose 2048 --specs paper paper-na all all-hybrid \
+        all-hybrid-na --reps 2 --suffix _2048
 
 Attention share is the time inside attention calls over the step time, and peak memory is above what
 the process held before the step (model, T5 modules, inputs); `benchmarks.step_probes` says how both
 are measured. Needs a ComfyUI tree (`--comfyui`, else the one testing/comfy_env.py finds). Writes
-`benchmarks/results/comfy_step_whole_<device>.json`.
+`benchmarks/results/comfy_step_whole_<device><suffix>.json`.
 """
 
 from __future__ import annotations
@@ -95,7 +103,11 @@ def parse_args(depth: int) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs first (>= 1: the first is the check)")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3, help="timed rounds")
+    parser.add_argument(
+        "--block-reps", type=int, default=1, help="times each kind of block runs, timed, per round of a composed step"
+    )
+    parser.add_argument("--suffix", default="", help="appended to the JSON's name: comfy_step_whole_<device><suffix>")
     parser.add_argument("--comfyui", type=Path, help="ComfyUI tree (default: as testing/comfy_env.py finds it)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON goes")
     parser.add_argument(
@@ -106,8 +118,11 @@ def parse_args(depth: int) -> argparse.Namespace:
         parser.error(f"--blocks must be 1-{depth}; got {args.blocks}.")
     if args.plan:
         return args
-    if args.warmup < 1 or args.reps < 2:
-        parser.error(f"--warmup must be >= 1 and --reps >= 2; got {args.warmup} and {args.reps}.")
+    if args.warmup < 1 or args.reps < 2 or args.block_reps < 1:
+        parser.error(
+            f"--warmup and --block-reps must be >= 1 and --reps >= 2; got {args.warmup}, {args.block_reps} and "
+            f"{args.reps}."
+        )
     if not args.sizes and not args.compose:
         parser.error("nothing to do: give --sizes, --compose or both.")
     if any(size % 16 for size in args.sizes + args.compose):
@@ -140,6 +155,7 @@ def _line(row: dict[str, Any]) -> str:
     if "composed_vs_measured" in row:
         within = abs(row["composed_vs_measured"] - 1) <= COMPOSITION_GOAL
         text += f"  composed / measured {row['composed_vs_measured']:.3f} ({'within' if within else 'NOT within'} 5%)"
+        text += f", per round {' '.join(f'{ratio:.3f}' for ratio in row['composed_vs_measured_rounds'])}"
     return text
 
 
@@ -189,7 +205,10 @@ def main() -> None:
             timed = [p for p in paths if size in args.sizes]
             whole = {p.name: WholeRun(Step(nodes, p, config, size, clock), memory) for p in timed}
             composing = [p for p in paths if size in args.compose]
-            composed = {p.name: ComposedRun(Step(nodes, p, config, size, clock), p, shapes, memory) for p in composing}
+            composed = {
+                p.name: ComposedRun(Step(nodes, p, config, size, clock), p, shapes, memory, block_reps=args.block_reps)
+                for p in composing
+            }
             reference = None
             for path in paths:
                 if whole:
@@ -198,8 +217,10 @@ def main() -> None:
                 if composed:
                     composed[path.name].prepare(warmup=args.warmup)
             for _ in range(args.reps):
-                for run in (*whole.values(), *composed.values()):
-                    run.round()
+                for path in paths:  # a path's composed parts right after its whole step: both see one stretch
+                    for run in (whole.get(path.name), composed.get(path.name)):
+                        if run is not None:
+                            run.round()
             measured = _rows(whole, size, "measured", calls)
             if measured:
                 _finish(measured, paths, rows)
@@ -208,6 +229,8 @@ def main() -> None:
                 for name, row in by_path.items():
                     if measured.get(name, {}).get("status") == "ok" and row["status"] == "ok":
                         row["composed_vs_measured"] = row["median_ms"] / measured[name]["median_ms"]
+                        rounds = zip(composed[name].round_ms, whole[name].times, strict=True)
+                        row["composed_vs_measured_rounds"] = [part / step for part, step in rounds]
                         row["peak_composed_vs_measured"] = row["peak_mib"] / measured[name]["peak_mib"]
                 _finish(by_path, paths, rows)
             _save(args, config, rows, comfyui=comfyui_version.__version__, calls=calls, memory=memory)
@@ -229,13 +252,14 @@ def _save(args, config: dict, rows: list[dict[str, Any]], *, comfyui: str, calls
         "composed_sizes": args.compose,
         "warmup": args.warmup,
         "reps": args.reps,
+        "block_reps": args.block_reps,
         "attention_method": "AttentionClock (benchmarks/step_probes.py): optimized_attention_override and "
         f"T5Attention forward hooks, {'CUDA events' if memory.cuda else 'perf_counter'}",
         "memory_method": memory.method,
         "composition_goal": f"composed within {COMPOSITION_GOAL:.0%} of measured",
         "composition_tolerance": COMPOSITION_GOAL,
     }
-    write_json(f"comfy_step_whole_{args.device}", rows, meta, directory=args.results_dir)
+    write_json(f"comfy_step_whole_{args.device}{args.suffix}", rows, meta, directory=args.results_dir)
 
 
 def _rows(runs: dict, size: int, step: str, calls: set) -> dict[str, dict[str, Any]]:

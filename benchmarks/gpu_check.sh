@@ -82,8 +82,8 @@ for name in "${@:-tests bench sweep comfy lowvram step}"; do
             lowvram) stage lowvram 35 python3 -m tools.comfy_lowvram --comfyui "${COMFYUI_TREE:-.comfyui/0.33.0}" \
                        --results-dir "$out" ;;
             step) stage step 200 python3 -m benchmarks.bench_comfy_step --device cuda --dtype bf16 --sizes 1024 \
-                       --compose 1024 2048 --warmup 2 --reps 5 --comfyui "${COMFYUI_TREE:-.comfyui/0.33.0}" \
-                       --results-dir "$out" ;;
+                       --compose 1024 2048 --warmup 2 --reps 5 --block-reps 3 \
+                       --comfyui "${COMFYUI_TREE:-.comfyui/0.33.0}" --results-dir "$out" ;;
             *) echo "unknown stage '$one' (tests, bench, sweep, comfy, lowvram, step)" | tee -a "$log"; exit 2 ;;
         esac
     done

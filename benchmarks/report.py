@@ -52,10 +52,12 @@ def _attention(result: Result) -> list[str]:
         f"One T5 attention call per torch path against PyTorch SDPA: batch {meta['batch']}, {meta['heads']} heads "
         f"x {meta['head_dim']}, {meta['dtype']}, a square image grid, no text, threads: {meta['threads']}. Growth "
         "is the time over the previous row's (4x the tokens: linear = 4x, quadratic = 16x); peak is the memory one "
-        "call holds above its inputs."
+        "call holds above its inputs; resident is how far one call raises the peak resident set of a process "
+        "holding the same inputs and output (`VmHWM` of two child processes)."
     )
     ok = [row for row in result["rows"] if row["status"] == "ok"]
     paths = [key[: -len("_median_ms")] for key in ok[0] if key.endswith("_median_ms") and key != "sdpa_median_ms"]
+    resident = [path for path in ("sdpa", *paths) if f"{path}_resident_mib" in ok[0]]
     rows = []
     for row in result["rows"]:
         if row["status"] != "ok":
@@ -69,6 +71,7 @@ def _attention(result: Result) -> list[str]:
                 *(_x(speedup(row["sdpa_median_ms"], row[f"{path}_median_ms"])) for path in paths),
                 *(f"{row[f'{path}_growth']:.2f}x" if row.get(f"{path}_growth") else "-" for path in everything),
                 *(f"{row[f'{path}_peak_mib']:.0f}" for path in everything),
+                *(f"{row[f'{path}_resident_mib']:.0f}" for path in resident),
             ]
         )
     names = ["SDPA", *(f"T5 `{path}`" for path in paths)]
@@ -78,6 +81,7 @@ def _attention(result: Result) -> list[str]:
         *(f"speedup `{path}`" for path in paths),
         *(f"{name} growth" for name in names),
         *(f"{name} peak MiB" for name in names),
+        *(f"{'SDPA' if path == 'sdpa' else f'T5 `{path}`'} resident MiB" for path in resident),
     ]
     goals = [f"* goal: {goal}" for goal in meta.get("goals", [])]
     return [intro, "", *_table(header, rows), *([""] + goals if goals else [])]
@@ -201,11 +205,12 @@ def _comfy_step_whole(result: Result) -> list[str]:
     )
     intro = (
         f"One ComfyUI {meta['comfyui']} sampling step of {model} with random weights: one euler step, CFG "
-        f"{meta['cfg']:g} (cond and uncond batched: {batch} per step), {meta['text_tokens']} text tokens, "
+        f"{meta['cfg']:g} (cond and uncond: {batch} per step, as ComfyUI chose), {meta['text_tokens']} text tokens, "
         f"{meta['dtype']}; softmax is SDPA, T5 runs through the T5Linearize node (`-hybrid`: hybrid joint "
         "attention, exact softmax wherever text takes part). Step *measured*: the whole step timed (median of "
         f"{meta['reps']} after {meta['warmup']} warm-up). Step *composed*: the time of everything but the joint "
-        "blocks plus, for every block, the time of one block of its kind, timed inside the same model's step; "
+        "blocks plus, for every block, the time of one block of its kind, timed inside the same model's step "
+        f"({meta.get('block_reps', 1)} time{'s' if meta.get('block_reps', 1) > 1 else ''} a round); "
         f"where both ran, composed / measured checks the composition (goal: {meta['composition_goal']}). "
         "Attention share: time inside attention calls / step time. Peak: "
         f"{meta['memory_method']}; for a composed row, the peak of the step that times its blocks (every kind "
@@ -236,10 +241,15 @@ def _comfy_step_whole(result: Result) -> list[str]:
                   "composed_vs_measured" in row]  # fmt: skip
         if ratios:
             met = all(abs(ratio - 1) <= meta["composition_tolerance"] for ratio in ratios)
+            rounds = [ratio for row in result["rows"] if row["size"] == size
+                      for ratio in row.get("composed_vs_measured_rounds", ())]  # fmt: skip
             checks.append(
                 f"* composed / measured at {size}x{size}: {min(ratios):.3f}-{max(ratios):.3f} over "
                 f"{len(ratios)} paths ({'goal met' if met else 'goal NOT met: the composed rows are not validated'})"
+                + (f"; round by round {min(rounds):.3f}-{max(rounds):.3f}" if rounds else "")
             )
+    if "recomposed" in meta:
+        checks.append(f"* {meta['recomposed']}")
     return [intro, "", *_table(header, rows), *([""] + checks if checks else [])]
 
 

@@ -240,6 +240,7 @@ class WholeRun:
             return {"status": "FAIL"}
         return {
             **summarize(self.times),
+            "times_ms": self.times,
             "attention_ms": statistics.median(self.attention),
             "attention_calls": len(self.step.attention_modules) * len(self.step.batches),
             "peak_mib": self.peak,
@@ -253,20 +254,31 @@ class ComposedRun:
 
     Every joint block is routed through ComfyUI's `patches_replace["dit"]` hook. A round times the rest
     (a step whose blocks all pass their inputs through) and then one step in which the first block of
-    each kind the path has runs once, timed, on the step's own hidden states, text tokens and
-    conditioning vector, before passing its inputs on. Medians over the rounds are composed.
+    each kind the path has runs `block_reps` times in every model call of the step, each run timed, on
+    that call's hidden states, text tokens and conditioning vector, before passing its inputs on. A
+    kind's time in a step is the sum over the step's model calls (ComfyUI runs cond and uncond as one
+    call of batch 2, or as two of batch 1 when it judges memory short, as at 2048x2048 on CPU) of the
+    median over that call's runs. Medians over the rounds are composed; `round_ms` also composes each
+    round on its own, to compare with the whole step timed beside it.
     """
 
-    def __init__(self, step: Step, path: StepPath, shapes: list[BlockShape], memory: PeakMemory) -> None:
-        self.step, self.memory = step, memory
+    def __init__(
+        self, step: Step, path: StepPath, shapes: list[BlockShape], memory: PeakMemory, *, block_reps: int = 1
+    ) -> None:
+        self.step, self.memory, self.block_reps = step, memory, block_reps
         self.kinds = kinds_of(shapes, path.layers, path.joint_mode)
         self.first = {kind: self.kinds.index(kind) for kind in dict.fromkeys(self.kinds)}
         self._timed_at = {index: kind for kind, index in self.first.items()}
         self._running = False
         self.rest: list[float] = []
         self.rest_attention: list[float] = []
-        self.blocks: dict[BlockKind, list[float]] = {kind: [] for kind in self.first}
-        self.block_attention: dict[BlockKind, list[float]] = {kind: [] for kind in self.first}
+        self.round_ms: list[float] = []
+        # every timed run of a kind's block, and per round the kind's time (and attention time) in one step
+        self.runs: dict[BlockKind, list[float]] = {kind: [] for kind in self.first}
+        self.per_step: dict[BlockKind, list[float]] = {kind: [] for kind in self.first}
+        self.attention_per_step: dict[BlockKind, list[float]] = {kind: [] for kind in self.first}
+        # (time, attention time) of each model call of the step running: medians over its runs
+        self._calls: dict[BlockKind, list[tuple[float, float]]] = {kind: [] for kind in self.first}
         self.finite = True
         self.ok = False
         self.peak = self.held = 0.0
@@ -290,33 +302,42 @@ class ComposedRun:
             outputs = block(inputs["txt"], inputs["img"], c=inputs["vec"], use_checkpoint=False,
                             transformer_options=inputs["transformer_options"])  # fmt: skip
 
-        clock.take_ms()
-        self.blocks[kind].append(time_call(run))
-        if clock.calls != 1 + kind.shape.attn2:
-            raise RuntimeError(f"block {index}: the attention clock saw {clock.calls} calls in one block call.")
-        self.block_attention[kind].append(clock.take_ms())
+        times, attention = [], []
+        for _ in range(self.block_reps):
+            clock.take_ms()
+            times.append(time_call(run))
+            if clock.calls != 1 + kind.shape.attn2:
+                raise RuntimeError(f"block {index}: the attention clock saw {clock.calls} calls in one block call.")
+            attention.append(clock.take_ms())
+        self.runs[kind] += times
+        self._calls[kind].append((statistics.median(times), statistics.median(attention)))
         self.finite &= all(t is None or bool(torch.isfinite(t).all()) for t in outputs)
 
-    def _blocks_step(self) -> None:
+    def _blocks_step(self) -> dict[BlockKind, tuple[float, float]]:
+        """Run the step that times the blocks; each kind's (time, attention time) in it, summed over its
+        model calls."""
+        for calls in self._calls.values():
+            calls.clear()
         self._running = True
         try:
             self.step()
         finally:
             self._running = False
+        return {kind: (sum(t for t, _ in calls), sum(a for _, a in calls)) for kind, calls in self._calls.items()}
 
     def prepare(self, *, warmup: int) -> None:
-        """Warm-up steps, each running every timed block once (their times are dropped) and the rest once;
-        the first checks that every timed block's outputs are finite."""
+        """Warm-up steps, each running every timed block (their times are dropped) and the rest once; the
+        first checks that every timed block's outputs are finite."""
         for _ in range(warmup):
             self._blocks_step()
             self.step()
         self.ok = self.finite
-        for times in (*self.blocks.values(), *self.block_attention.values()):
-            times.clear()
+        for runs in self.runs.values():
+            runs.clear()
 
     def round(self) -> None:
-        """Time the rest once and every kind's block once; the first round also measures the peak memory
-        (over the step that runs the blocks)."""
+        """Time the rest once and every kind's block in one step; the first round also measures the peak
+        memory (over the step that runs the blocks)."""
         if not self.ok:
             return
         clock = self.step.clock
@@ -326,15 +347,19 @@ class ComposedRun:
         first = len(self.rest) == 1
         if first:
             self.memory.start()
-        self._blocks_step()
+        in_step = self._blocks_step()
         if first:
             self.peak, self.held = self.memory.stop_mib()
+        for kind, (time_ms, attention_ms) in in_step.items():
+            self.per_step[kind].append(time_ms)
+            self.attention_per_step[kind].append(attention_ms)
+        self.round_ms.append(compose(self.rest[-1], {kind: t for kind, (t, _) in in_step.items()}, self.kinds))
 
     def result(self) -> dict[str, Any]:
         if not self.ok:
             return {"status": "FAIL"}
-        per_kind = {kind: statistics.median(times) for kind, times in self.blocks.items()}
-        attention = {kind: statistics.median(times) for kind, times in self.block_attention.items()}
+        per_kind = {kind: statistics.median(times) for kind, times in self.per_step.items()}
+        attention = {kind: statistics.median(times) for kind, times in self.attention_per_step.items()}
         rest, rest_attention = statistics.median(self.rest), statistics.median(self.rest_attention)
         return {
             "median_ms": compose(rest, per_kind, self.kinds),
@@ -342,14 +367,19 @@ class ComposedRun:
             "peak_mib": self.peak,
             "held_mib": self.held,
             "rest_ms": rest,
+            "rest_times_ms": self.rest,
             "rest_attention_ms": rest_attention,
+            "round_ms": self.round_ms,
+            "block_reps": self.block_reps,
             "blocks": [
                 {
                     "kind": kind.label(),
                     "count": self.kinds.count(kind),
                     "timed_block": index,
-                    **summarize(self.blocks[kind]),
+                    **summarize(self.per_step[kind]),
+                    "per_step_ms": self.per_step[kind],
                     "attention_ms": attention[kind],
+                    "runs_ms": self.runs[kind],
                 }
                 for kind, index in self.first.items()
             ],

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["AttentionClock", "PeakMemory"]
+__all__ = ["AttentionClock", "PeakMemory", "peak_resident_mib"]
 
 
 class AttentionClock:
@@ -104,6 +104,13 @@ def _status_kib(field: str) -> int:
     return int(re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE).group(1))
 
 
+def peak_resident_mib() -> float:
+    """This process's peak resident set size so far (Linux `VmHWM`) in MiB. Unlike `ru_maxrss`, which
+    Linux carries across `exec`, so that a spawned child starts from its parent's resident set at the fork,
+    it counts only this process image."""
+    return _status_kib("VmHWM") / 1024
+
+
 class PeakMemory:
     """Peak memory of the work between `start()` and `stop_mib()` above the memory held at `start()`.
 
@@ -147,5 +154,5 @@ class PeakMemory:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
         else:
-            peak = _status_kib("VmHWM") * 1024
+            peak = peak_resident_mib() * 2**20
         return (peak - self._base) / 2**20, self._base / 2**20

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -64,11 +65,12 @@ def test_whole_and_composed_step_at_toy_size(tmp_path):
     tree = comfy_env.require_tree()
     out = _run(
         "benchmarks.bench_comfy_step",
-        "--blocks", "2", "--sizes", "64", "--compose", "64", "--warmup", "1", "--reps", "2",
+        "--blocks", "2", "--sizes", "64", "--compose", "64", "--warmup", "1", "--reps", "2", "--block-reps", "2",
         "--specs", "paper", "all-hybrid", "all-hybrid-na", f"--comfyui={tree}", f"--results-dir={tmp_path}",
+        "--suffix", "_toy",
     ).stdout  # fmt: skip
     assert "FAIL" not in out and "composed / measured" in out
-    result = json.loads((tmp_path / "comfy_step_whole_cpu.json").read_text())
+    result = json.loads((tmp_path / "comfy_step_whole_cpu_toy.json").read_text())
     assert result["meta"]["model_calls_per_step"] == [[2]], "cond and uncond must run as one model call of batch 2"
     rows = {(row["path"], row["step"]): row for row in result["rows"]}
     assert set(rows) == {(path, step) for path in TOY_KINDS for step in ("measured", "composed")}
@@ -90,9 +92,23 @@ def test_whole_and_composed_step_at_toy_size(tmp_path):
         attention = row["rest_attention_ms"] + sum(block["count"] * block["attention_ms"] for block in blocks)
         assert row["attention_ms"] == pytest.approx(attention)
         assert row["composed_vs_measured"] == pytest.approx(row["median_ms"] / rows[(path, "measured")]["median_ms"])
+        # 2 rounds x 2 timed runs of each kind of block in each model call: a kind's time in a round's step
+        # is the sum over the step's model calls of the median of the call's runs; each round is composed
+        # from its own rest and blocks, against the whole step of the same round
+        calls = len(result["meta"]["model_calls_per_step"][0])
+        for block in blocks:
+            runs = block["runs_ms"]
+            assert len(runs) == 2 * calls * 2
+            for r in range(2):
+                in_step = sum(statistics.median(runs[i : i + 2]) for i in range(2 * calls * r, 2 * calls * (r + 1), 2))
+                assert block["per_step_ms"][r] == pytest.approx(in_step)
+        for r, (composed, ratio) in enumerate(zip(row["round_ms"], row["composed_vs_measured_rounds"], strict=True)):
+            own = sum(block["count"] * block["per_step_ms"][r] for block in blocks)
+            assert composed == pytest.approx(row["rest_times_ms"][r] + own)
+            assert ratio == pytest.approx(composed / rows[(path, "measured")]["times_ms"][r])
 
     report = _run("benchmarks.report", f"--results-dir={tmp_path}").stdout
-    assert "## SD3.5 Medium, one ComfyUI sampling step, whole model (`comfy_step_whole_cpu.json`)" in report
+    assert "## SD3.5 Medium, one ComfyUI sampling step, whole model (`comfy_step_whole_cpu_toy.json`)" in report
     assert "only the first 2 of SD3.5 Medium's 24 joint blocks" in report
     assert "| 64x64 | `all-hybrid` | 4 | composed |" in report
     assert "* composed / measured at 64x64: " in report
