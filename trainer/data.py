@@ -109,9 +109,9 @@ def bucket_sizes(spec: str, resolution: int, multiple: int) -> list[tuple[int, i
         w_text, sep, h_text = item.partition(":")
         try:
             ratio = float(w_text) / float(h_text)
-        except ValueError:
+        except (ValueError, ZeroDivisionError):
             ratio = 0.0
-        if not sep or not ratio > 0:
+        if not sep or not 0 < ratio < math.inf:
             raise ValueError(f"--data.buckets: {item!r} is not a ratio like 4:3.")
         width = max(multiple, round(resolution * math.sqrt(ratio) / multiple) * multiple)
         height = max(multiple, round(resolution / math.sqrt(ratio) / multiple) * multiple)

@@ -76,5 +76,6 @@ def test_bucket_sizes_keep_area_and_multiple():
         assert abs(width * height / 1024**2 - 1) < 0.05
     assert nearest_bucket(1920, 1080, sizes) == sizes[3]
     assert nearest_bucket(600, 800, sizes) == sizes[2]
-    with pytest.raises(ValueError, match=r"--data.buckets: '4-3' is not a ratio"):
-        bucket_sizes("4-3", 1024, 16)
+    for bad in ("4-3", "4:0", "0:3", "-4:3", "inf:1", "nan:1", "a:b"):
+        with pytest.raises(ValueError, match=rf"--data.buckets: '{bad}' is not a ratio like 4:3"):
+            bucket_sizes(bad, 1024, 16)
