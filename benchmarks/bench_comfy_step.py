@@ -229,7 +229,7 @@ def main() -> None:
                 for name, row in by_path.items():
                     if measured.get(name, {}).get("status") == "ok" and row["status"] == "ok":
                         row["composed_vs_measured"] = row["median_ms"] / measured[name]["median_ms"]
-                        rounds = zip(composed[name].round_ms, whole[name].times, strict=True)
+                        rounds = zip(row["round_ms"], measured[name]["times_ms"], strict=True)
                         row["composed_vs_measured_rounds"] = [part / step for part, step in rounds]
                         row["peak_composed_vs_measured"] = row["peak_mib"] / measured[name]["peak_mib"]
                 _finish(by_path, paths, rows)

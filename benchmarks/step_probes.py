@@ -154,5 +154,5 @@ class PeakMemory:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
         else:
-            peak = peak_resident_mib() * 2**20
+            peak = _status_kib("VmHWM") * 1024
         return (peak - self._base) / 2**20, self._base / 2**20
