@@ -9,8 +9,8 @@ on a square image grid with no text (SD3.5 Medium's image-only `attn2` shape) an
 initial parameters. Each shape is checked first: the chunked output must match the reference
 (relative RMS error <= 1e-5 in fp32), else the row reads FAIL.
 
-Time: after one warm-up call of each path, `--rounds` rounds each time every path in turn (two calls,
-`benchmarks.timing.time_fn`), and a path's time is the median over the rounds (with 20 / 80 %
+Time: after one warm-up call of each path, `--rounds` rounds each time every path in turn (the median
+of two calls, `benchmarks.timing.time_in_turn`), and a path's time is the median over the rounds (with 20 / 80 %
 quantiles). On a machine other jobs share, the paths so see the same load; the load average is
 printed. Speedup vs SDPA = SDPA time / T5 time (> 1: T5 is faster); growth = time at N / time at
 the previous N.
@@ -41,7 +41,6 @@ import functools
 import math
 import multiprocessing
 import os
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -49,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from benchmarks.step_probes import peak_resident_mib
-from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, time_fn, write_json
+from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, summarize, time_in_turn, write_json
 from t5core import T5Attention
 from t5core.ttt import t5_attention_ref
 from t5core.ttt_chunked import DEFAULT_CHUNK_TOKENS, t5_attention_chunked
@@ -130,19 +129,9 @@ def resident_rise_mib(path: str, n: int, args: argparse.Namespace) -> float:
     return peaks[0] - peaks[1]
 
 
-def time_in_turn(fns: dict[str, Callable[[], Tensor]], rounds: int) -> dict[str, dict[str, float]]:
-    """`{"median_ms", "p20_ms", "p80_ms"}` per path over `rounds` rounds that time every path in turn."""
-    for fn in fns.values():
-        fn()
-    per_round: dict[str, list[float]] = {path: [] for path in fns}
-    for _ in range(rounds):
-        for path, fn in fns.items():
-            per_round[path].append(time_fn(fn, warmup=0, reps=2)["median_ms"])
-    timings = {}
-    for path, times in per_round.items():
-        deciles = statistics.quantiles(times, n=10, method="inclusive")
-        timings[path] = {"median_ms": statistics.median(times), "p20_ms": deciles[1], "p80_ms": deciles[7]}
-    return timings
+def _timings(fns: dict, rounds: int) -> dict:
+    """`{"median_ms", "p20_ms", "p80_ms"}` per path over rounds that time every path in turn (two calls each)."""
+    return {path: summarize(times) for path, times in time_in_turn(fns, rounds=rounds, calls=2).items()}
 
 
 def measure(n: int, args: argparse.Namespace, previous: dict | None) -> dict:
@@ -155,7 +144,7 @@ def measure(n: int, args: argparse.Namespace, previous: dict | None) -> dict:
         return {**row, "status": "FAIL"}
     row["status"] = "ok"
     row["input_mib"] = n * args.heads * args.head_dim * dtype.itemsize / 2**20
-    for path, timing in time_in_turn(fns, args.rounds).items():
+    for path, timing in _timings(fns, args.rounds).items():
         row.update({f"{path}_{key}": value for key, value in timing.items()})
         row[f"{path}_peak_mib"] = peak_memory_mib(fns[path], args.device)
         row[f"{path}_growth"] = row[f"{path}_median_ms"] / previous[f"{path}_median_ms"] if previous else None
@@ -171,7 +160,7 @@ def sweep_chunks(n: int, sizes: list[int], args: argparse.Namespace) -> list[dic
     fns, _ = make_case(n, args)
     chunked = {size: functools.partial(fns["chunked"], size) for size in sizes}
     rows = []
-    for size, timing in time_in_turn(chunked, args.rounds).items():
+    for size, timing in _timings(chunked, args.rounds).items():
         rows.append(
             {"tokens": n, "chunk_tokens": size, **timing, "peak_mib": peak_memory_mib(chunked[size], args.device)}
         )

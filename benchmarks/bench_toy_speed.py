@@ -6,8 +6,11 @@
 Both models are the shipped toy teacher; the T5 one is converted with the `paper` spec (fresh T5
 parameters: speed does not depend on their values) and the `auto` backend (Triton on CUDA, the
 torch reference on CPU). Before timing, each size is checked: the T5 samples must be finite and,
-where `auto` picked a kernel, match the torch reference path. Rows report milliseconds per sampling
-run (median, p20-p80) and the speedup vs softmax (softmax time / T5 time), so above 1 means T5 is faster.
+where `auto` picked a kernel, match the torch reference path. Softmax and T5 are timed in turn, round by round
+(`benchmarks.timing.time_in_turn`), so both see the same load on a shared host. Rows report
+milliseconds per sampling run (median over the rounds, p20-p80) and the speedup vs softmax: the median
+over the rounds of that round's softmax time / T5 time (p20-p80 beside it), so above 1 means T5 is
+faster.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from functools import partial
 
 import torch
 
-from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, time_fn, write_json
+from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, spread, summarize, time_in_turn, write_json
 from t5core.hosts.diffusers import linearize
 from trainer.toy.data import LATENT_CHANNELS, all_captions
 from trainer.toy.model import ToyCond, load_toy_base, sample
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="+", type=int, default=[48, 96], help="image sides in pixels (x16)")
     parser.add_argument("--steps", type=int, default=4, help="Euler steps per sampling run (with CFG)")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10, help="timed rounds (softmax then T5 in each)")
     parser.add_argument("--json", default="bench_toy_speed")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header_line())
     layers = ",".join(handle.config.layers)
     print(f"toy sampling, {args.steps} Euler steps with CFG, batch {args.batch}, T5 layers: {layers}")
-    print(f"{'size':>6} {'tokens':>7} {'softmax ms':>16} {'T5 ms':>16} {'speedup':>11}")
+    print(f"{'size':>6} {'tokens':>7} {'softmax ms':>16} {'T5 ms':>16} {'speedup (p20-p80)':>21}")
     rows = []
     for size in args.sizes:
         cond, noise = _inputs(size, args.batch, device)
@@ -83,16 +86,31 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{size:>6} {tokens:>7} FAIL: {problem}")
             rows.append({"size": size, "image_tokens": tokens, "status": "FAIL", "reason": problem})
             continue
-        soft = time_fn(partial(sample, softmax, cond, noise, steps=args.steps), warmup=1, reps=args.reps)
-        fast = time_fn(partial(sample, t5, cond, noise, steps=args.steps), warmup=1, reps=args.reps)
-        ratio = speedup(soft["median_ms"], fast["median_ms"])
+        times = time_in_turn(
+            {model: partial(sample, net, cond, noise, steps=args.steps) for model, net in (("softmax", softmax), ("t5", t5))},
+            rounds=args.reps,
+        )
+        soft, fast = summarize(times["softmax"]), summarize(times["t5"])
+        ratio, ratio_p20, ratio_p80 = spread([speedup(s, f) for s, f in zip(times["softmax"], times["t5"], strict=True)])
         print(
             f"{size:>6} {tokens:>7} {soft['median_ms']:>8.1f} ({soft['p20_ms']:.0f}-{soft['p80_ms']:.0f})"
-            f" {fast['median_ms']:>8.1f} ({fast['p20_ms']:.0f}-{fast['p80_ms']:.0f}) {ratio:>10.2f}x"
+            f" {fast['median_ms']:>8.1f} ({fast['p20_ms']:.0f}-{fast['p80_ms']:.0f})"
+            f" {ratio:>8.2f}x ({ratio_p20:.2f}-{ratio_p80:.2f})"
         )
-        rows.append({"size": size, "image_tokens": tokens, "softmax": soft, "t5": fast, "speedup_vs_softmax": ratio})
-    print(f"speedup = {SPEEDUP_VS_SOFTMAX}")
-    write_json(args.json, rows, meta={"steps": args.steps, "batch": args.batch, "layers": list(handle.config.layers)})
+        rows.append(
+            {
+                "size": size,
+                "image_tokens": tokens,
+                "softmax": soft,
+                "t5": fast,
+                "speedup_vs_softmax": ratio,
+                "speedup_p20": ratio_p20,
+                "speedup_p80": ratio_p80,
+                "times_ms": times,
+            }
+        )
+    print(f"speedup = {SPEEDUP_VS_SOFTMAX}, per round; {args.reps} rounds")
+    write_json(args.json, rows, meta={"steps": args.steps, "batch": args.batch, "rounds": args.reps, "layers": list(handle.config.layers)})
     return 0
 
 

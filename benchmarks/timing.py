@@ -1,6 +1,7 @@
 """Shared timing and reporting helpers for the benchmark scripts.
 
-Every script in `benchmarks/` times with `time_fn`, starts its table with `header_line()` and saves
+Every script in `benchmarks/` times with `time_fn` (one path) or `time_in_turn` (paths compared in one
+run, timed in turn round by round), starts its table with `header_line()` and saves
 its rows with `write_json`, so numbers from different scripts are taken and recorded the same way.
 """
 
@@ -13,7 +14,7 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,8 @@ import torch
 from t5core.atomic import write_text_atomic
 
 __all__ = [
-    "RESULTS_DIR", "SPEEDUP_VS_SOFTMAX", "environment", "header_line", "speedup", "summarize", "time_call", "time_fn",
-    "write_json",
+    "RESULTS_DIR", "SPEEDUP_VS_SOFTMAX", "environment", "header_line", "speedup", "spread", "summarize", "time_call", "time_fn",
+    "time_in_turn", "write_json",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -67,10 +68,15 @@ def time_call(fn: Callable[[], Any]) -> float:
     return (time.perf_counter() - begin) * 1e3
 
 
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """Median and 20 / 80 % quantiles of at least two values (of times, ratios, ...)."""
+    deciles = statistics.quantiles(values, n=10, method="inclusive")
+    return statistics.median(values), deciles[1], deciles[7]
+
+
 def summarize(times_ms: list[float]) -> dict[str, float]:
     """`{"median_ms", "p20_ms", "p80_ms"}` of at least two times."""
-    deciles = statistics.quantiles(times_ms, n=10, method="inclusive")
-    return {"median_ms": statistics.median(times_ms), "p20_ms": deciles[1], "p80_ms": deciles[7]}
+    return dict(zip(("median_ms", "p20_ms", "p80_ms"), spread(times_ms), strict=True))
 
 
 def time_fn(fn: Callable[[], Any], *, warmup: int = 5, reps: int = 20) -> dict[str, float]:
@@ -94,6 +100,36 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 5, reps: int = 20) -> dict[s
     for _ in range(warmup):
         fn()
     return summarize([time_call(fn) for _ in range(reps)])
+
+
+def time_in_turn(fns: Mapping[str, Callable[[], Any]], *, rounds: int, calls: int = 1) -> dict[str, list[float]]:
+    """Per-round times (ms) of several paths, from rounds that time every path in turn.
+
+    Each path is called once untimed first; then each of `rounds` rounds times every path, in the
+    order given, as the median of `calls` calls (`time_call`). On a machine whose speed drifts (a
+    shared host, thermal limits), paths timed one after another in one round see the same conditions,
+    so per-round ratios between paths are steadier than ratios of paths timed in separate blocks.
+
+    Args:
+        fns (`Mapping[str, Callable[[], Any]]`): the paths, by name.
+        rounds (`int`): timed rounds; at least 2.
+        calls (`int`, *optional*, defaults to 1): timed calls of each path per round.
+
+    Returns:
+        `{name: [ms per round]}`, in the order of `fns`; `summarize` turns a list into quantiles.
+
+    Raises:
+        ValueError: `rounds < 2` or `calls < 1`.
+    """
+    if rounds < 2 or calls < 1:
+        raise ValueError(f"time_in_turn needs rounds >= 2 and calls >= 1; got rounds={rounds}, calls={calls}.")
+    for fn in fns.values():
+        fn()
+    per_round: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            per_round[name].append(statistics.median(time_call(fn) for _ in range(calls)))
+    return per_round
 
 
 def _git_commit() -> str:

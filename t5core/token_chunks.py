@@ -9,7 +9,9 @@ An image chunk is a band of whole grid rows `[r0, r1)`. Its 3x3 conv reads one h
 below: the band is cut out with its halo as a `(B, C, r1 - r0 + 2, w)` slab (zero rows at the image
 border, as the conv's zero padding) and convolved with no row padding, so each chunk gives exactly
 the rows of the full-image conv. Text tokens, and every token when there is no locality, are cut
-into plain runs of at most `chunk_tokens`.
+into plain runs of at most `chunk_tokens`. A sequence that fits one chunk is one chunk, text included
+(issue 20: at small N every op is a fixed cost, so a separate run of a few text tokens would repeat
+the whole chain of ops for them).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ Prepare = Callable[[Tensor], Tensor]
 
 @dataclass(frozen=True)
 class Chunk:
-    """One chunk: the tokens `[start, stop)` and, for a band of image rows under locality, `rows = (r0, r1)`."""
+    """One chunk: the tokens `[start, stop)` and, for a band of image rows under locality, `rows = (r0, r1)`
+    (a chunk of the whole sequence also holds the text tokens)."""
 
     start: int
     stop: int
@@ -71,10 +74,13 @@ class TokenChunks:
 
     @functools.cached_property
     def chunks(self) -> list[Chunk]:
-        """Bands of whole image rows (with a grid), then runs of text tokens; runs of all tokens without."""
+        """Bands of whole image rows (with a grid), then runs of text tokens; runs of all tokens without;
+        one chunk of every token when they fit one."""
         if self.grid is None:
             return _runs(0, self.n, self.chunk_tokens)
         h, w = self.grid
+        if self.n <= self.chunk_tokens:
+            return [Chunk(0, self.n, (0, h))]
         band = max(1, self.chunk_tokens // w)
         first = self.image_start
         image = [
@@ -82,6 +88,15 @@ class TokenChunks:
         ]
         text_start = 0 if self.text_first else h * w
         return image + _runs(text_start, text_start + self.text_tokens, self.chunk_tokens)
+
+    def _parts(self, chunk: Chunk) -> tuple[slice, slice | None]:
+        """The image tokens of a chunk with rows and its text tokens (None if it has none), relative
+        to the chunk's start."""
+        (r0, r1), (_, w) = chunk.rows, self.grid
+        image = slice(self.image_start + r0 * w - chunk.start, self.image_start + r1 * w - chunk.start)
+        if image.stop - image.start == chunk.stop - chunk.start:
+            return image, None
+        return image, slice(image.stop, chunk.stop) if image.start == 0 else slice(0, image.start)
 
     def _halo(self, rows: tuple[int, int]) -> tuple[int, int]:
         """Grid rows `[lo, hi)` of the band plus its halo rows that lie inside the image."""
@@ -109,15 +124,20 @@ class TokenChunks:
         """
         batch, _, heads, dim = x.shape
         out_BHND = torch.empty(batch, heads, chunk.stop - chunk.start, dim, dtype=torch.float32, device=x.device)
+        out = out_BHND.transpose(1, 2)
+        tokens = x[:, chunk.tokens]
         if conv is None or chunk.rows is None:
-            out_BHND.transpose(1, 2).copy_(prepare(x[:, chunk.tokens]))
+            out.copy_(prepare(tokens))
             return out_BHND
+        image_part, text_part = self._parts(chunk)
+        if text_part is not None:
+            out[:, text_part].copy_(prepare(tokens[:, text_part]))
         weight, bias = conv
         bias = None if bias is None else bias.float()
         if chunk.rows == (0, self.grid[0]):
             # the band is the whole image: the conv's own zero padding, no slab to pad and copy; a slice
             # of heads is made dense (else the conv copies it to channels-first, 8x slower)
-            image = prepare(x[:, chunk.tokens]).contiguous().reshape(batch, *self.grid, -1).permute(0, 3, 1, 2)
+            image = prepare(tokens[:, image_part]).contiguous().reshape(batch, *self.grid, -1).permute(0, 3, 1, 2)
             conv_out = F.conv2d(image, weight.float(), bias, padding=1, groups=image.shape[1])
             centre = image
         else:
@@ -126,7 +146,7 @@ class TokenChunks:
             centre = slab[:, :, 1:-1]
         # both are channels-last, so (B, rows, w, C) and then (B, n, H, D) are views
         centre, conv_out = (y.permute(0, 2, 3, 1).reshape(batch, -1, heads, dim) for y in (centre, conv_out))
-        torch.add(centre, conv_out, out=out_BHND.transpose(1, 2))
+        torch.add(centre, conv_out, out=out[:, image_part])
         return out_BHND
 
     def local_backward(
@@ -154,6 +174,7 @@ class TokenChunks:
         grad_x[:, chunk.tokens] += grad
         if conv is None or chunk.rows is None:
             return
+        grad = grad[:, self._parts(chunk)[0]]
         (r0, r1), (lo, hi) = chunk.rows, self._halo(chunk.rows)
         _, w = self.grid
         slab = self.slab(x, chunk, prepare)

@@ -54,7 +54,11 @@ Fixed cost (issue 20). At small N a call's cost is its aten ops (about 60 per ch
 (D, D) weights and elementwise passes, not Python. Sampling (no input requires grad) calls
 `_forward` directly, without the autograd node; on a CPU it runs heads in groups of
 `HEAD_GROUP_BYTES` (every step is per head) so the elementwise passes stay in cache. One chunk's key
-statistics skip the merge, and a whole-image band takes the conv's own padding (no slab copy).
+statistics skip the merge, and a whole-image band takes the conv's own padding (no slab copy). A
+sequence that fits one chunk is one chunk with its text (`t5core.token_chunks`); a separate text chunk
+repeated the whole chain of ops for a few tokens: forward with one chunk against image + text chunks,
+60 alternated rounds, per-round medians of old / new, 4 x 64 heads, batch 2: 1.27x and 1.17x (2 and 1
+threads) at 144 + 8 tokens, 1.09x and 0.97x at 576 + 8; 24 x 64 heads at 1024 + 154: 1.10x and 1.01x.
 Measured in one process against SDPA, before (15c0262) and after, calls alternated (forward, no
 grad, 1 thread, medians, load 3-4 on 2 cores; 4 heads x 64 at 144 and 576 tokens, batch 2; 24 x 64
 at 1024, batch 2, and at 4096 + 154 text, batch 1), ms and the fraction of SDPA's time:

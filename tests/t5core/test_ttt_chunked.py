@@ -36,6 +36,8 @@ CASES = [
     (Case(1, 2, 16, (5, 5), 2, False, "mlp", f32, locality=False, key_norm_eps=None), 4),
     (Case(2, 2, 16, (3, 5), 7, False, "swiglu", bf16), 5),
     (Case(1, 2, 16, (4, 4), 4, True, "swiglu", f32), 1000),  # one chunk holds everything
+    (Case(2, 2, 16, (3, 5), 6, False, "mlp", f32), 21),  # one chunk of exactly every token, text last
+    (Case(1, 1, 32, (2, 3), 3, True, "swiglu", bf16), 9),  # one chunk, text first, bf16
 ]
 
 
@@ -117,17 +119,22 @@ def test_leaves_its_inputs_unchanged():
         TokenChunks(17, 4, grid=(3, 4), text_tokens=5, text_first=False),
         TokenChunks(9, 5, grid=(1, 9)),
         TokenChunks(36, 7),
+        TokenChunks(20, 20, grid=(3, 4), text_tokens=8, text_first=True),
+        TokenChunks(20, 64, grid=(3, 4), text_tokens=8, text_first=False),
     ],
-    ids=["text-first", "text-last", "1xn", "no-grid"],
+    ids=["text-first", "text-last", "1xn", "no-grid", "fits-one-chunk-text-first", "fits-one-chunk-text-last"],
 )
 def test_chunks_cover_every_token_once_and_bands_are_whole_rows(layout: TokenChunks):
     chunks = layout.chunks
     covered = sorted(token for chunk in chunks for token in range(chunk.start, chunk.stop))
     assert covered == list(range(layout.n))
+    if layout.n <= layout.chunk_tokens:
+        # a sequence that fits one chunk is one chunk, text included (no chain of ops for a few tokens)
+        assert [(c.start, c.stop, c.rows) for c in chunks] == [(0, layout.n, (0, layout.grid[0]))]
+        return
     for chunk in chunks:
-        if chunk.rows is None:
-            assert chunk.stop - chunk.start <= layout.chunk_tokens
-        else:
+        assert chunk.stop - chunk.start <= max(layout.chunk_tokens, layout.grid[1] if layout.grid else 0)
+        if chunk.rows is not None:
             r0, r1 = chunk.rows
             assert chunk.start == layout.image_start + r0 * layout.grid[1]
             assert chunk.stop == layout.image_start + r1 * layout.grid[1]
