@@ -42,9 +42,9 @@ from trainer.config import LossConfig, ModelConfig, OptimConfig, TrainConfig
 from trainer.model import ParamSplit, build_student
 from trainer.optim import build_optimizer, build_scheduler, optimizer_step
 from trainer.seeds import derived_seed
+from trainer.toy.artifacts import background_level, open_background_level, token_period_energy
 from trainer.toy.baselines import PlainLinearAttention, reinit_inherited
 from trainer.toy.data import IMAGE_SIZE, make_batch
-from trainer.toy.artifacts import background_level, open_background_level, token_period_energy
 from trainer.toy.eval import (
     ToyEvalScore,
     batch_loss,

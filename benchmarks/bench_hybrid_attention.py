@@ -40,7 +40,9 @@ PATHS = ("sdpa", "t5", "hybrid", "hybrid_na")
 T5_PATHS = PATHS[1:]
 
 
-def make_case(n_image: int, args: argparse.Namespace) -> tuple[dict[str, Callable[[], Tensor]], dict[str, Callable[[], None]], float]:
+def make_case(
+    n_image: int, args: argparse.Namespace
+) -> tuple[dict[str, Callable[[], Tensor]], dict[str, Callable[[], None]], float]:
     """Forward and forward+backward callables per path on one set of inputs, and the text-row check."""
     side = math.isqrt(n_image)
     if side * side != n_image:
@@ -54,9 +56,9 @@ def make_case(n_image: int, args: argparse.Namespace) -> tuple[dict[str, Callabl
     modules = {
         "t5": T5Attention(args.heads, args.head_dim, backend=args.backend).to(device),
         "hybrid": T5Attention(args.heads, args.head_dim, backend=args.backend, exact_text=True).to(device),
-        "hybrid_na": T5Attention(
-            args.heads, args.head_dim, backend=args.backend, exact_text=True, neighborhood=5
-        ).to(device),
+        "hybrid_na": T5Attention(args.heads, args.head_dim, backend=args.backend, exact_text=True, neighborhood=5).to(
+            device
+        ),
     }
     for name in ("hybrid", "hybrid_na"):
         modules[name].load_state_dict(modules["t5"].state_dict())
@@ -112,7 +114,9 @@ def print_rows(rows: list[dict]) -> None:
           f"{'t5/sdpa':>8} {'hyb/sdpa':>8} {'h+na/sdpa':>9} {'hyb speedup':>11} {'hyb growth':>10}")  # fmt: skip
     for row in rows:
         if row["status"] != "ok":
-            print(f"{row['image_tokens']:>8} FAIL: hybrid text rows differ from SDPA ({row['text_rows_rel_error']:.1e})")
+            print(
+                f"{row['image_tokens']:>8} FAIL: hybrid text rows differ from SDPA ({row['text_rows_rel_error']:.1e})"
+            )
             continue
         for kind in ("fwd", "fwdbwd"):
             if f"{kind}_sdpa_ms" not in row:

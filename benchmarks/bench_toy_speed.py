@@ -87,11 +87,16 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"size": size, "image_tokens": tokens, "status": "FAIL", "reason": problem})
             continue
         times = time_in_turn(
-            {model: partial(sample, net, cond, noise, steps=args.steps) for model, net in (("softmax", softmax), ("t5", t5))},
+            {
+                model: partial(sample, net, cond, noise, steps=args.steps)
+                for model, net in (("softmax", softmax), ("t5", t5))
+            },
             rounds=args.reps,
         )
         soft, fast = summarize(times["softmax"]), summarize(times["t5"])
-        ratio, ratio_p20, ratio_p80 = spread([speedup(s, f) for s, f in zip(times["softmax"], times["t5"], strict=True)])
+        ratio, ratio_p20, ratio_p80 = spread(
+            [speedup(s, f) for s, f in zip(times["softmax"], times["t5"], strict=True)]
+        )
         print(
             f"{size:>6} {tokens:>7} {soft['median_ms']:>8.1f} ({soft['p20_ms']:.0f}-{soft['p80_ms']:.0f})"
             f" {fast['median_ms']:>8.1f} ({fast['p20_ms']:.0f}-{fast['p80_ms']:.0f})"
@@ -110,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     print(f"speedup = {SPEEDUP_VS_SOFTMAX}, per round; {args.reps} rounds")
-    write_json(args.json, rows, meta={"steps": args.steps, "batch": args.batch, "rounds": args.reps, "layers": list(handle.config.layers)})
+    write_json(
+        args.json,
+        rows,
+        meta={"steps": args.steps, "batch": args.batch, "rounds": args.reps, "layers": list(handle.config.layers)},
+    )
     return 0
 
 

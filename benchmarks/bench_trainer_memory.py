@@ -23,8 +23,8 @@ from benchmarks.timing import header_line, write_json
 from t5core.hosts.diffusers import linearize
 from trainer.config import ModelConfig, OptimConfig
 from trainer.memory import PlanSettings, count_parameters, plan_memory
-from trainer.time_estimate import ParamCounts, RunShape
 from trainer.model import CONFIGS_DIR, split_parameters
+from trainer.time_estimate import ParamCounts, RunShape
 
 logger = logging.getLogger(__name__)
 

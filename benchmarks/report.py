@@ -363,8 +363,8 @@ def _memory_check(result: Result) -> list[str]:
 
 
 def _stored_table(result: Result) -> list[str]:
-    # `benchmarks/ablations.py`, `benchmarks/artifact_probe.py` and `benchmarks/key_bias.py` store their printed table with the rows:
-    # a header line, a description line, a blank line, then the table.
+    # `benchmarks/ablations.py`, `benchmarks/artifact_probe.py` and `benchmarks/key_bias.py` store their printed
+    # table with the rows: a header line, a description line, a blank line, then the table.
     lines = result["meta"]["table"].splitlines()
     return [lines[1] + ".", "", *lines[3:]]
 

@@ -23,8 +23,8 @@ import torch
 from t5core.atomic import write_text_atomic
 
 __all__ = [
-    "RESULTS_DIR", "SPEEDUP_VS_SOFTMAX", "environment", "header_line", "speedup", "spread", "summarize", "time_call", "time_fn",
-    "time_in_turn", "write_json",
+    "RESULTS_DIR", "SPEEDUP_VS_SOFTMAX", "environment", "header_line", "speedup", "spread", "summarize", "time_call",
+    "time_fn", "time_in_turn", "write_json",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)

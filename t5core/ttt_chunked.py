@@ -299,9 +299,7 @@ def _head_slice(conv: Conv | None, heads: slice, head_dim: int) -> Conv | None:
     return tuple(None if p is None else p[channels] for p in conv)
 
 
-def _forward_by_heads(
-    layout: T5Layout, plan: TokenChunks, q: Tensor, k: Tensor, v: Tensor, params: T5Params
-) -> Tensor:
+def _forward_by_heads(layout: T5Layout, plan: TokenChunks, q: Tensor, k: Tensor, v: Tensor, params: T5Params) -> Tensor:
     """`_forward`'s output with nothing to differentiate (sampling), in groups of heads whose chunk
     temporaries fit `HEAD_GROUP_BYTES`, with no autograd node and no saved tensors.
 

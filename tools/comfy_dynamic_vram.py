@@ -38,10 +38,10 @@ from benchmarks.timing import header_line, write_json
 from t5core.hosts.comfy_runtime import COPY_LOG
 from t5core.hosts.diffusers import arch_of
 from testing import comfy_env, comfy_tiny
-from tools.comfy_check import parse_check_args
 from testing.comfy_prompts import sampling_prompt
 from testing.comfy_server import ComfyServer
 from testing.models import tiny_transformer
+from tools.comfy_check import parse_check_args
 
 CHECKPOINT, WEIGHTS, LORA = "tiny_sd35m.safetensors", "tiny_t5_base.safetensors", "tiny_lora.safetensors"
 QKV = "joint_blocks.1.x_block.attn.qkv.weight"

@@ -36,8 +36,8 @@ import torch
 from benchmarks.timing import header_line, write_json
 from t5core.hosts.comfy_runtime import KEY
 from testing import comfy_env, comfy_tiny
-from tools.comfy_check import parse_check_args
 from testing.models import tiny_transformer
+from tools.comfy_check import parse_check_args
 
 RUNTIME_LOGGER = "t5core.hosts.comfy_runtime"
 PER_CALL = "for this call"

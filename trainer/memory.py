@@ -25,9 +25,9 @@ import torch
 from trainer.time_estimate import GPUS, ParamCounts, RunShape, TimeEstimate, estimate_time, find_gpu
 
 if TYPE_CHECKING:
-    from t5core.config import BaseArch
     from torch import nn
 
+    from t5core.config import BaseArch
     from t5core.hosts.diffusers import T5Handle
     from trainer.config import TrainConfig
     from trainer.data import BatchPlan, Source

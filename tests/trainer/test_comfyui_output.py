@@ -151,7 +151,9 @@ def test_the_toy_card_has_the_toyeval_table():
     }
     card = model_card(parse_args([]), _report(toy_eval=toy_eval), weights_name="t5.safetensors")
     assert "the built-in toy SD3.5-Medium-like model" in card
-    assert "| softmax teacher | 0.800 | 0.900 | 0.700 | 0.850 | 0.750 | 0.3000 | 0.0000 | 0.0003 | 0.00009 | - |" in card
+    assert (
+        "| softmax teacher | 0.800 | 0.900 | 0.700 | 0.850 | 0.750 | 0.3000 | 0.0000 | 0.0003 | 0.00009 | - |" in card
+    )
     assert "| T5 | 0.600 | 0.900 | 0.700 | 0.850 | 0.750 | 0.3500 | 0.1200 | 0.0070 | 0.00260 | 0.0100 |" in card
     assert "-0.200 ToyEval, 95% interval [-0.300, -0.100]" in card
     assert "ModelSamplingSD3" in card
