@@ -129,7 +129,7 @@ def resident_rise_mib(path: str, n: int, args: argparse.Namespace) -> float:
     return peaks[0] - peaks[1]
 
 
-def _timings(fns: dict, rounds: int) -> dict:
+def timings_in_turn(fns: dict, rounds: int) -> dict:
     """`{"median_ms", "p20_ms", "p80_ms"}` per path over rounds that time every path in turn (two calls each)."""
     return {path: summarize(times) for path, times in time_in_turn(fns, rounds=rounds, calls=2).items()}
 
@@ -144,7 +144,7 @@ def measure(n: int, args: argparse.Namespace, previous: dict | None) -> dict:
         return {**row, "status": "FAIL"}
     row["status"] = "ok"
     row["input_mib"] = n * args.heads * args.head_dim * dtype.itemsize / 2**20
-    for path, timing in _timings(fns, args.rounds).items():
+    for path, timing in timings_in_turn(fns, args.rounds).items():
         row.update({f"{path}_{key}": value for key, value in timing.items()})
         row[f"{path}_peak_mib"] = peak_memory_mib(fns[path], args.device)
         row[f"{path}_growth"] = row[f"{path}_median_ms"] / previous[f"{path}_median_ms"] if previous else None
@@ -160,7 +160,7 @@ def sweep_chunks(n: int, sizes: list[int], args: argparse.Namespace) -> list[dic
     fns, _ = make_case(n, args)
     chunked = {size: functools.partial(fns["chunked"], size) for size in sizes}
     rows = []
-    for size, timing in _timings(chunked, args.rounds).items():
+    for size, timing in timings_in_turn(chunked, args.rounds).items():
         rows.append(
             {"tokens": n, "chunk_tokens": size, **timing, "peak_mib": peak_memory_mib(chunked[size], args.device)}
         )

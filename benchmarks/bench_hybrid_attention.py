@@ -13,7 +13,7 @@ forward + backward (a random output gradient, all of q, k, v and the T5 paramete
 
 Each shape is checked first: the hybrid's text rows must equal SDPA's (relative RMS error <= 1e-5),
 else the row reads FAIL. Times are medians over `--rounds` rounds that time every path in turn
-(`bench_attention.time_in_turn`). Ratio = T5 time / SDPA time (the issue's "fraction of SDPA's
+(`bench_attention.timings_in_turn`). Ratio = T5 time / SDPA time (the issue's "fraction of SDPA's
 time"; its inverse is the speedup vs softmax); growth = time at N / time at the previous N. Rows go
 to `benchmarks/results/hybrid_attention_<device>.json`.
 """
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from benchmarks.bench_attention import add_call_arguments, time_in_turn
+from benchmarks.bench_attention import add_call_arguments, timings_in_turn
 from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, write_json
 from t5core import T5Attention
 from testing.tolerances import relative_rms
@@ -98,7 +98,7 @@ def measure(n_image: int, args: argparse.Namespace, previous: dict | None) -> di
     row["status"] = "ok"
     passes = {"fwd": forwards, **({"fwdbwd": backwards} if args.backward else {})}
     for kind, fns in passes.items():
-        for path, timing in time_in_turn(fns, args.rounds).items():
+        for path, timing in timings_in_turn(fns, args.rounds).items():
             row[f"{kind}_{path}_ms"] = timing["median_ms"]
             row[f"{kind}_{path}_p20_ms"], row[f"{kind}_{path}_p80_ms"] = timing["p20_ms"], timing["p80_ms"]
             if previous and f"{kind}_{path}_ms" in previous:
