@@ -23,7 +23,7 @@ from t5core.config import T5Config
 from t5core.contract import T5Layout, Variant, check_call, fast_weight_names
 from t5core.hybrid import MERGES, Merge, hybrid_attention
 from t5core.neighborhood import NEIGHBORHOOD_BLEND, check_neighborhood, neighborhood_attention
-from t5core.ttt import join_image, split_image
+from t5core.ttt import split_image
 
 __all__ = ["FastWeights", "T5Attention", "file_name", "param_name"]
 
@@ -222,11 +222,12 @@ class T5Attention(nn.Module):
         return hybrid_attention(q, k, v, layout, t5_attention, merge_bias=self.merge_bias)
 
     def _blend_neighborhood(self, out: Tensor, q: Tensor, k: Tensor, v: Tensor, layout: T5Layout) -> Tensor:
-        """`out` with its image rows replaced by (1 - b) out + b neighbourhood softmax (b = 0.5)."""
+        """`out` with its image rows replaced, in place, by (1 - b) out + b neighbourhood softmax (b = 0.5);
+        `out` is this call's own output, so the blend needs no copy of the sequence."""
         if layout.grid is None:
             raise ValueError("neighborhood attention needs grid=(h, w) for the image tokens.")
         text, first = layout.text_tokens, layout.text_first
         (q_img, _), (k_img, _), (v_img, _) = (split_image(x, text, first) for x in (q, k, v))
-        out_img, out_txt = split_image(out, text, first)
         local = neighborhood_attention(q_img, k_img, v_img, layout.grid, self.neighborhood)
-        return join_image(torch.lerp(out_img, local, NEIGHBORHOOD_BLEND), out_txt, first)
+        split_image(out, text, first)[0].lerp_(local, NEIGHBORHOOD_BLEND)
+        return out
