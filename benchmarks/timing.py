@@ -146,12 +146,24 @@ def _git_commit() -> str:
     return f"{commit}+dirty" if dirty else commit
 
 
+def _cpu_name() -> str:
+    """The CPU's model name (Linux `/proc/cpuinfo`), else the architecture: hosts of one architecture
+    differ in speed, so results say which one they ran on."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {platform.machine()}"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment() -> dict[str, str]:
     """Device, CUDA, torch, Triton and git commit of this run (for headers and JSON metadata)."""
     if torch.cuda.is_available():
         device = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
     else:
-        device = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+        device = f"cpu ({_cpu_name()}, {os.cpu_count()} cores)"
     try:
         import triton
 
