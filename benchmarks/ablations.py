@@ -15,7 +15,9 @@ seed fixes the T5 initialisation and the fine-tune batches.
 
 Besides ToyEval at the training size (48 px, 144 image tokens) every run reports the validation
 loss at 4x the tokens (96 px, 576 tokens); `--wide-rows` also get ToyEval at 96 px, where the paper
-says key normalisation matters. Results are written after every run and a rerun skips the (row,
+says key normalisation matters, and the artifact measures of `trainer.toy.artifacts`: the background
+levels as seen (after the decoder's clamp) and the open background before it (bias, noise, token
+pattern). Results are written after every run and a rerun skips the (row,
 seed) pairs already in the JSON file, so an interrupted sweep resumes.
 """
 
@@ -42,7 +44,7 @@ from trainer.config import LossConfig, ModelConfig, OptimConfig, TrainConfig
 from trainer.model import ParamSplit, build_student
 from trainer.optim import build_optimizer, build_scheduler, optimizer_step
 from trainer.seeds import derived_seed
-from trainer.toy.artifacts import background_level, open_background_level, token_period_energy
+from trainer.toy.artifacts import background_error, background_level, open_background_level, token_period_energy
 from trainer.toy.baselines import PlainLinearAttention, reinit_inherited
 from trainer.toy.data import IMAGE_SIZE, make_batch
 from trainer.toy.eval import (
@@ -239,7 +241,8 @@ def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_images: 
     final_loss = finetune(model, new, budget, seed=seed, teacher=teacher, row=row) if row.finetune else float("nan")
     train_seconds = time.perf_counter() - start
     with torch.no_grad():
-        score, images = toy_eval(model, count=plan.count)
+        score, raw_images = toy_eval(model, count=plan.count, clamp=False)
+        images = raw_images.clamp(0.0, 1.0)
         result = {
             "row": row.name,
             "seed": seed,
@@ -249,6 +252,7 @@ def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_images: 
             "background": background_level(images, teacher_images),
             "open_background": open_background_level(images, teacher_images),
             "token_period_energy": token_period_energy(images, teacher_images),
+            "background_error": asdict(background_error(raw_images, teacher_images)),
             "val_loss": validation_loss(model),
             "val_loss_4x": validation_loss(model, batches=2, batch_size=16, size=WIDE_SIZE),
             "teacher_distance": teacher_distance(images, teacher_images),
@@ -308,8 +312,8 @@ def summarise(
         "",
         "| row | what | modules | ToyEval overall | vs teacher, paired [95% CI] | shape | size | val loss "
         "| val loss 4x tokens | ToyEval 4x tokens | dist. to teacher | background | open background "
-        "| token-period energy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| token-period energy | background bias | background noise | token pattern |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         runs = [r for r in results if r["row"] == row.name]
@@ -320,6 +324,10 @@ def summarise(
         artifacts = [
             _mean_sd([r[key] for r in runs if key in r], 4)
             for key in ("background", "open_background", "token_period_energy")
+        ]
+        artifacts += [
+            _mean_sd([r["background_error"][key] for r in runs if "background_error" in r], 4)
+            for key in ("bias", "noise", "token_pattern")
         ]
         lines.append(
             f"| {row.name} | {row.description} | {runs[0]['converted']} | {cells[0]} | {_paired(runs, teacher_hits)} | "

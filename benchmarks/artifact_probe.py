@@ -6,7 +6,8 @@ of each converted module's output error against softmax is the same at every ima
 
 Samples: the evaluation set's first `--count` captions and noise for the teacher and for the shipped
 teacher converted with FILE (`t5core.hosts.diffusers.linearize`, torch backend); the background
-level, the open-background level (`trainer.toy.artifacts`) and ToyEval of both.
+level, the open-background level, the open background before the decoder's clamp (bias, noise, token
+pattern: `trainer.toy.artifacts.background_error`) and ToyEval of both.
 
 Modules: while the T5 model samples, each converted module's T5 output on its image rows is compared
 with softmax attention over the same q, k, v (what the module would compute unconverted, with its
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 from benchmarks.timing import header_line, write_json
 from t5core.attention import T5Attention
 from t5core.hosts.diffusers import linearize
-from trainer.toy.artifacts import background_level, open_background_level, token_period_energy
+from trainer.toy.artifacts import background_error, background_level, open_background_level, token_period_energy
 from trainer.toy.eval import toy_eval
 from trainer.toy.model import load_toy_base
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     with torch.no_grad():
-        teacher_score, teacher_images = toy_eval(load_toy_base(), count=args.count)
+        teacher_score, teacher_raw = toy_eval(load_toy_base(), count=args.count, clamp=False)
         model = load_toy_base()
         linearize(model, weights=args.weights, backend="torch")
         energies = {}
@@ -80,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(module, T5Attention):
                 energies[name.removesuffix(".processor.t5")] = energy = ErrorEnergy()
                 module.register_forward_hook(_recorder(energy), with_kwargs=True)
-        score, images = toy_eval(model, count=args.count)
+        score, raw = toy_eval(model, count=args.count, clamp=False)
+    teacher_images, images = teacher_raw.clamp(0.0, 1.0), raw.clamp(0.0, 1.0)
+    errors = {"T5": background_error(raw, teacher_images), "teacher": background_error(teacher_raw, teacher_images)}
 
     samples = {
         "toyeval": score.overall,
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         "open_background": open_background_level(images, teacher_images),
         "teacher_open_background": open_background_level(teacher_images, teacher_images),
         "token_period_energy": token_period_energy(images, teacher_images),
+        "background_error": asdict(errors["T5"]),
+        "teacher_background_error": asdict(errors["teacher"]),
     }
     modules = [
         {"module": name, "rel_err": (e.error / e.reference) ** 0.5, "token_constant_share": e.constant / e.error}
@@ -104,6 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         f"| {samples['toyeval']:.3f} ({samples['teacher_toyeval']:.3f}) | {samples['background']:.4f} "
         f"({samples['teacher_background']:.5f}) | {samples['open_background']:.4f} "
         f"({samples['teacher_open_background']:.5f}) | {samples['token_period_energy']:.4f} |",
+        "",
+        "open background before the decoder's clamp (the data's is 0):",
+        "",
+        "| samples of | bias | noise | token pattern | share above black |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {name} | {e.bias:+.4f} | {e.noise:.4f} | {e.token_pattern:.4f} | {e.lit:.2f} |"
+            for name, e in errors.items()
+        ),
         "",
         "| converted module | rel err vs softmax | token-constant share of the error |",
         "|---|---|---|",

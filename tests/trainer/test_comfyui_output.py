@@ -155,6 +155,12 @@ def test_the_toy_card_has_the_toyeval_table():
         "| softmax teacher | 0.800 | 0.900 | 0.700 | 0.850 | 0.750 | 0.3000 | 0.0000 | 0.0003 | 0.00009 | - |" in card
     )
     assert "| T5 | 0.600 | 0.900 | 0.700 | 0.850 | 0.750 | 0.3500 | 0.1200 | 0.0070 | 0.00260 | 0.0100 |" in card
+    assert "| model | bias |" not in card  # a report from before the measure renders without its table
+    toy_eval["teacher"]["background_error"] = {"bias": -0.0117, "noise": 0.0062, "token_pattern": 0.0035, "lit": 0.03}
+    toy_eval["student"]["background_error"] = {"bias": -0.0006, "noise": 0.0094, "token_pattern": 0.0055, "lit": 0.48}
+    card = model_card(parse_args([]), _report(toy_eval=toy_eval), weights_name="t5.safetensors")
+    assert "| softmax teacher | -0.0117 | 0.0062 | 0.0035 | 0.03 |" in card
+    assert "| T5 | -0.0006 | 0.0094 | 0.0055 | 0.48 |" in card
     assert "-0.200 ToyEval, 95% interval [-0.300, -0.100]" in card
     assert "ModelSamplingSD3" in card
 

@@ -7,7 +7,12 @@ import itertools
 import pytest
 import torch
 
-from trainer.toy.artifacts import background_level, open_background_level, token_period_energy
+from trainer.toy.artifacts import (
+    background_error,
+    background_level,
+    open_background_level,
+    token_period_energy,
+)
 from trainer.toy.stats import paired_difference
 
 
@@ -81,8 +86,62 @@ def test_a_per_token_pattern_is_all_token_period_energy_and_noise_is_not():
     assert token_period_energy(noisy, teacher) == pytest.approx(len(lattice) / (48 * 48), rel=0.5)
 
 
+def _black_teacher_with_an_object() -> torch.Tensor:
+    teacher = torch.zeros(2, 3, 24, 24)
+    teacher[:, :, 8:12, 8:12] = 0.8
+    return teacher
+
+
+def _open_pixels(teacher: torch.Tensor) -> torch.Tensor:
+    """The open background written out: more than 2 px from the object (rows and columns 6..13)."""
+    keep = torch.ones(24, 24, dtype=torch.bool)
+    keep[6:14, 6:14] = False
+    return keep
+
+
+def test_background_error_reads_a_level_below_black_that_the_clamp_hides():
+    teacher = _black_teacher_with_an_object()
+    raw = teacher.clone()
+    raw[:, :, 16:, :] = -0.02  # below black: invisible after the clamp
+    error = background_error(raw, teacher)
+    share = (8 * 24) / _open_pixels(teacher).sum().item()
+    assert open_background_level(raw.clamp(0, 1), teacher) == 0.0
+    assert error.bias == pytest.approx(-0.02 * share, rel=1e-5)
+    assert error.noise == pytest.approx(0.02 * (share * (1 - share)) ** 0.5, rel=1e-4)
+    assert error.lit == 0.0
+
+
+def test_background_error_splits_a_token_pattern_from_noise():
+    teacher = _black_teacher_with_an_object()
+    tile = torch.rand(3, 4, 4, generator=torch.Generator().manual_seed(4)) * 0.01
+    tile -= tile.mean(dim=(1, 2), keepdim=True)  # zero mean per channel: the pattern leaves the bias alone
+    raw = teacher + 0.003 + tile.repeat(1, 6, 6)
+    raw[:, :, 8:12, 8:12] = 0.8
+    error = background_error(raw, teacher)
+    # the closed 8 x 8 block around the object covers every position within a token twice per axis, so every
+    # position is open equally often and the count-weighted RMS is the tile's own
+    assert error.bias == pytest.approx(0.003, abs=1e-6)
+    assert error.token_pattern == pytest.approx(tile.square().mean().sqrt().item(), rel=1e-4)
+    assert error.noise == pytest.approx(error.token_pattern, rel=1e-4)
+    noisy = raw + 0.01 * torch.randn(raw.shape, generator=torch.Generator().manual_seed(5))
+    noisy[:, :, 8:12, 8:12] = 0.8
+    mixed = background_error(noisy, teacher)
+    # independent noise adds in quadrature; in the pattern it is averaged over the 2 x 36 - 2 x 4 = 64 open
+    # pixels behind each position's mean
+    assert mixed.noise == pytest.approx((0.01**2 + error.token_pattern**2) ** 0.5, rel=0.05)
+    assert mixed.token_pattern == pytest.approx((error.token_pattern**2 + (0.01 / 8) ** 2) ** 0.5, rel=0.15)
+
+
+def test_background_error_without_open_background_is_zero():
+    teacher = torch.full((1, 3, 8, 8), 0.9)
+    assert background_error(teacher - 0.5, teacher) == background_error(teacher, teacher)
+    assert background_error(teacher, teacher).bias == 0.0
+
+
 def test_artifact_measures_refuse_mismatched_sets():
     with pytest.raises(ValueError, match="of one shape"):
         background_level(torch.zeros(1, 3, 8, 8), torch.zeros(1, 3, 8, 4))
     with pytest.raises(ValueError, match="not a multiple of the token size"):
         token_period_energy(torch.zeros(1, 3, 10, 10), torch.zeros(1, 3, 10, 10))
+    with pytest.raises(ValueError, match="not a multiple of the token size"):
+        background_error(torch.zeros(1, 3, 10, 10), torch.zeros(1, 3, 10, 10))

@@ -64,8 +64,13 @@ def test_the_comparison_reports_the_paired_interval_and_the_artifact_measures(ca
     assert report["teacher"]["background"] == background_level(result.teacher_images, result.teacher_images)
     assert report["student"]["open_background"] == open_background_level(result.student_images, result.teacher_images)
     assert report["student"]["token_period_energy"] == token_period_energy(result.student_images, result.teacher_images)
+    for key, images in (("teacher", result.teacher_images), ("student", result.student_images)):
+        # before the clamp: the mean cannot exceed the mean of its part above black, which is the level seen
+        error, level = report[key]["background_error"], open_background_level(images, result.teacher_images)
+        assert error["bias"] <= level + 1e-7 and (error["lit"] > 0) == (level > 0) and error["noise"] >= 0
     table = result.table()
     assert "95% interval" in table and "| background | open background | token-period energy |" in table
+    assert "| model | bias | noise | token pattern | share above black |" in table
     # the progress bar counts the sampling batches of both models
     assert "ToyEval: 100%" in capsys.readouterr().err
 

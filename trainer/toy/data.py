@@ -234,12 +234,14 @@ def encode_images(images: Tensor) -> Tensor:
     return torch.einsum("lc,bchw->blhw", _latent_basis(), patches)
 
 
-def decode_latents(latents: Tensor) -> Tensor:
-    """The toy's VAE decoder: latents `(B, 16, h, w)` -> RGB `(B, 3, 2h, 2w)` in [0, 1] (clamped)."""
+def decode_latents(latents: Tensor, *, clamp: bool = True) -> Tensor:
+    """The toy's VAE decoder: latents `(B, 16, h, w)` -> RGB `(B, 3, 2h, 2w)` in [0, 1]; `clamp=False`
+    keeps what falls outside (the artifact measures read the background below black)."""
     if latents.ndim != 4 or latents.shape[1] != LATENT_CHANNELS:
         raise ValueError(f"latents must be (B, {LATENT_CHANNELS}, h, w); got {tuple(latents.shape)}.")
     patches = torch.einsum("lc,blhw->bchw", _latent_basis(), latents.float())
-    return ((F.pixel_shuffle(patches, 2) + 1) / 2).clamp(0.0, 1.0)
+    images = (F.pixel_shuffle(patches, 2) + 1) / 2
+    return images.clamp(0.0, 1.0) if clamp else images
 
 
 def make_batch(batch_size: int, *, seed: int, size: int = IMAGE_SIZE, drop_text: float = 0.0) -> ToyBatch:

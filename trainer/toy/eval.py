@@ -200,31 +200,41 @@ def generate(
     steps: int = 20,
     cfg: float = 3.0,
     on_batch: Callable[[], object] | None = None,
+    clamp: bool = True,
 ) -> Tensor:
     """Sample images `(B, 3, S, S)` in [0, 1] for captions from the given noise, `GENERATE_BATCH` at a
-    time; `on_batch` is called after each batch (a progress bar's update)."""
+    time; `on_batch` is called after each batch (a progress bar's update); `clamp=False` keeps the
+    decoder's values outside [0, 1] (`decode_latents`)."""
     chunks = []
     for start in range(0, len(captions), GENERATE_BATCH):
         part = captions[start : start + GENERATE_BATCH]
         cond = ToyCond.from_captions([str(c) for c in part])
         latents = sample(model, cond, noise[start : start + len(part)], steps=steps, cfg=cfg)
-        chunks.append(decode_latents(latents))
+        chunks.append(decode_latents(latents, clamp=clamp))
         if on_batch is not None:
             on_batch()
     return torch.cat(chunks)
 
 
 def toy_eval(
-    model, *, count: int = 180, steps: int = 20, cfg: float = 3.0, seed: int = 0, size: int = IMAGE_SIZE
+    model,
+    *,
+    count: int = 180,
+    steps: int = 20,
+    cfg: float = 3.0,
+    seed: int = 0,
+    size: int = IMAGE_SIZE,
+    clamp: bool = True,
 ) -> tuple[ToyEvalScore, Tensor]:
     """Generate the fixed evaluation set with `model` at `size` x `size` pixels and score it.
 
     Returns:
-        The `ToyEvalScore` and the images `(count, 3, S, S)`, for grids and teacher distances.
+        The `ToyEvalScore` and the images `(count, 3, S, S)`, for grids and teacher distances; with
+        `clamp=False` the decoder's values outside [0, 1] are kept (the score reads the clamped images).
     """
     captions, noise = eval_set(count, seed=seed, size=size)
-    images = generate(model, captions, noise, steps=steps, cfg=cfg)
-    return score_images(images, captions), images
+    images = generate(model, captions, noise, steps=steps, cfg=cfg, clamp=clamp)
+    return score_images(images.clamp(0.0, 1.0), captions), images
 
 
 def teacher_distance(images: Tensor, teacher_images: Tensor) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -18,7 +18,13 @@ from torch import Tensor
 from tqdm import tqdm
 
 from t5core.atomic import write_bytes_atomic
-from trainer.toy.artifacts import background_level, open_background_level, token_period_energy
+from trainer.toy.artifacts import (
+    BackgroundError,
+    background_error,
+    background_level,
+    open_background_level,
+    token_period_energy,
+)
 from trainer.toy.data import Caption
 from trainer.toy.eval import (
     GENERATE_BATCH,
@@ -67,7 +73,24 @@ def comparison_table(comparison: dict, *, student_name: str = "T5") -> str:
         "more than 2 px from either image's objects (a lift, not a displaced object); token-period energy: share "
         f"of the {student_name}-minus-teacher residual on the token lattice of the spectrum (white noise: 0.0065).",
     ]
+    # reports written before the measure existed have no such entry
+    if all("background_error" in comparison[key] for key in ("teacher", "student")):
+        lines += ["", *_background_error_table(comparison, student_name)]
     return "\n".join(lines)
+
+
+def _background_error_table(comparison: dict, student_name: str) -> list[str]:
+    lines = [
+        "The open background before the decoder's clamp (the data's is exactly black, 0; the clamp hides what lies "
+        "below, so a level above can come from a bias as much as from noise):",
+        "",
+        "| model | bias | noise | token pattern | share above black |",
+        "|---|---|---|---|---|",
+    ]
+    for name, key in (("softmax teacher", "teacher"), (student_name, "student")):
+        e = comparison[key]["background_error"]
+        lines.append(f"| {name} | {e['bias']:+.4f} | {e['noise']:.4f} | {e['token_pattern']:.4f} | {e['lit']:.2f} |")
+    return lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +105,9 @@ class Comparison:
     distance: float
     teacher_images: Tensor
     student_images: Tensor
+    teacher_background: BackgroundError
+    """The teacher's open background before the decoder's clamp (`trainer.toy.artifacts.background_error`)."""
+    student_background: BackgroundError
 
     def table(self, *, student_name: str = "T5") -> str:
         """A markdown table: one row per model, ToyEval per attribute, val loss, distance to teacher."""
@@ -100,6 +126,7 @@ class Comparison:
                 "val_loss": self.teacher_val_loss,
                 "background": background_level(teacher, teacher),
                 "open_background": open_background_level(teacher, teacher),
+                "background_error": asdict(self.teacher_background),
             },
             "student": {
                 "toyeval": self.student_score.as_dict(),
@@ -107,6 +134,7 @@ class Comparison:
                 "background": background_level(student, teacher),
                 "open_background": open_background_level(student, teacher),
                 "token_period_energy": token_period_energy(student, teacher),
+                "background_error": asdict(self.student_background),
             },
             "teacher_distance": self.distance,
             "paired": {"mean": paired.mean, "low": paired.low, "high": paired.high, "samples": paired.samples},
@@ -122,8 +150,11 @@ def compare(
     captions, noise = eval_set(count, seed=seed)
     batches = 2 * math.ceil(count / GENERATE_BATCH)
     with tqdm(total=batches, desc="ToyEval", unit="batch", disable=not progress, dynamic_ncols=True) as bar:
-        teacher_images = generate(teacher, captions, noise, steps=steps, cfg=cfg, on_batch=bar.update)
-        student_images = generate(student, captions, noise, steps=steps, cfg=cfg, on_batch=bar.update)
+        teacher_raw, student_raw = (
+            generate(model, captions, noise, steps=steps, cfg=cfg, on_batch=bar.update, clamp=False)
+            for model in (teacher, student)
+        )
+    teacher_images, student_images = teacher_raw.clamp(0.0, 1.0), student_raw.clamp(0.0, 1.0)
     return Comparison(
         captions=captions,
         teacher_score=score_images(teacher_images, captions),
@@ -133,6 +164,8 @@ def compare(
         distance=teacher_distance(student_images, teacher_images),
         teacher_images=teacher_images,
         student_images=student_images,
+        teacher_background=background_error(teacher_raw, teacher_images),
+        student_background=background_error(student_raw, teacher_images),
     )
 
 
