@@ -155,12 +155,18 @@ class Budget:
         batch_size: int | None = None,
         lr: float | None = None,
         new_lr_mult: float | None = None,
+        inherited_lr_mult: float | None = None,
         warmup_steps: int | None = None,
         distill_weight: float | None = None,
     ) -> Budget:
         """The default toy run's recipe (`TrainConfig()`); an argument given replaces its setting."""
         config = TrainConfig()
-        optim_changes = {"lr": lr, "new_lr_mult": new_lr_mult, "warmup_steps": warmup_steps}
+        optim_changes = {
+            "lr": lr,
+            "new_lr_mult": new_lr_mult,
+            "inherited_lr_mult": inherited_lr_mult,
+            "warmup_steps": warmup_steps,
+        }
         return cls(
             steps=config.training.steps if steps is None else steps,
             batch_size=config.training.batch_size if batch_size is None else batch_size,
@@ -307,8 +313,8 @@ def summarise(
     lines = [
         header_line(),
         f"toy ablations: {budget.steps} fine-tune steps x batch {budget.batch_size} per row, lr {budget.optim.lr:g} "
-        f"(new x{budget.optim.new_lr_mult:g}), {budget.optim.warmup_steps} warm-up steps then "
-        f"{budget.optim.schedule}, seeds {seeds}",
+        f"(new x{budget.optim.new_lr_mult:g}, inherited x{budget.optim.inherited_lr_mult:g}), "
+        f"{budget.optim.warmup_steps} warm-up steps then {budget.optim.schedule}, seeds {seeds}",
         "",
         "| row | what | modules | ToyEval overall | vs teacher, paired [95% CI] | shape | size | val loss "
         "| val loss 4x tokens | ToyEval 4x tokens | dist. to teacher | background | open background "
@@ -357,8 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     # Unset recipe flags keep the default toy run's recipe (trainer/config.py), so rows compare with it.
     parser.add_argument("--steps", type=int, help="fine-tune steps per row (the same for every row)")
     parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--lr", type=float, help="learning rate of the inherited weights")
+    parser.add_argument("--lr", type=float, help="base learning rate (the multipliers below scale it)")
     parser.add_argument("--new-lr-mult", type=float, help="new parameters' rate / inherited rate")
+    parser.add_argument("--inherited-lr-mult", type=float, help="inherited weights' rate / --lr (0 freezes them)")
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--distill-weight", type=float, help="distillation weight of `distill` rows (default 1)")
     parser.add_argument("--eval-count", type=int, default=180, help="ToyEval samples (180 = every caption once)")
@@ -373,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         lr=args.lr,
         new_lr_mult=args.new_lr_mult,
+        inherited_lr_mult=args.inherited_lr_mult,
         warmup_steps=args.warmup,
         distill_weight=args.distill_weight,
     )
