@@ -91,6 +91,11 @@ class Row:
     schedule: Literal["constant", "cosine"] | None = None
     """Replaces the recipe's schedule after warm-up (None keeps it)."""
 
+    @property
+    def is_teacher(self) -> bool:
+        """The shipped teacher as it is: no randomness, and its samples are the cached reference's."""
+        return self.attention == "softmax" and not self.finetune
+
 
 ROWS: tuple[Row, ...] = (
     Row("teacher", "softmax teacher, no fine-tune (reference)", attention="softmax", finetune=False),
@@ -239,15 +244,20 @@ class EvalPlan:
     wide_rows: tuple[str, ...]
 
 
-def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_images: torch.Tensor) -> dict:
-    """One row, one seed: build, fine-tune, evaluate."""
+def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_raw: torch.Tensor) -> dict:
+    """One row, one seed: build, fine-tune, evaluate against the teacher's unclamped samples `teacher_raw`
+    (the teacher row reuses them instead of sampling again)."""
     start = time.perf_counter()
     model, new, names = build(row, seed)
     teacher = load_toy_base() if row.distill else None
     final_loss = finetune(model, new, budget, seed=seed, teacher=teacher, row=row) if row.finetune else float("nan")
     train_seconds = time.perf_counter() - start
+    teacher_images = teacher_raw.clamp(0.0, 1.0)
     with torch.no_grad():
-        score, raw_images = toy_eval(model, count=plan.count, clamp=False)
+        if row.is_teacher:
+            score, raw_images = score_images(teacher_images, eval_set(plan.count)[0]), teacher_raw
+        else:
+            score, raw_images = toy_eval(model, count=plan.count, clamp=False)
         images = raw_images.clamp(0.0, 1.0)
         result = {
             "row": row.name,
@@ -271,16 +281,17 @@ def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_images: 
 
 
 def teacher_eval(count: int, cache: Path) -> tuple[ToyEvalScore, Tensor]:
-    """The shipped teacher's ToyEval on `count` samples, from the `cache` folder when this teacher file was
-    evaluated before (the images are deterministic: fixed captions, noise and weights)."""
+    """The shipped teacher's ToyEval on `count` samples and its samples before the decoder's clamp, from
+    the `cache` folder when this teacher file was evaluated before (the images are deterministic: fixed
+    captions, noise and weights)."""
     digest = hashlib.sha256(WEIGHTS_FILE.read_bytes()).hexdigest()[:16]
-    path = cache / f"teacher-{digest}-{count}.safetensors"
+    path = cache / f"teacher-{digest}-{count}-raw.safetensors"
     if path.is_file():
-        images = load_file(path)["images"]
+        raw = load_file(path)["images"]
     else:
-        _, images = toy_eval(load_toy_base(), count=count)
-        write_atomic(path, lambda temp: save_file({"images": images.contiguous()}, str(temp)))
-    return score_images(images, eval_set(count)[0]), images
+        _, raw = toy_eval(load_toy_base(), count=count, clamp=False)
+        write_atomic(path, lambda temp: save_file({"images": raw.contiguous()}, str(temp)))
+    return score_images(raw.clamp(0.0, 1.0), eval_set(count)[0]), raw
 
 
 def overall_hits(images: torch.Tensor, count: int) -> list[int]:
@@ -387,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = EvalPlan(args.eval_count, args.wide_count, tuple(args.wide_rows))
     # in the order given, so the rows that matter most run first in a sweep that may be cut short
     rows = tuple(next(r for r in ROWS if r.name == name) for name in dict.fromkeys(args.rows))
-    teacher_score, teacher_images = teacher_eval(plan.count, args.results_dir / CACHE)
+    teacher_score, teacher_raw = teacher_eval(plan.count, args.results_dir / CACHE)
+    teacher_images = teacher_raw.clamp(0.0, 1.0)
     teacher_hits = overall_hits(teacher_images, plan.count)
     results = _previous(args.results_dir / f"{args.json}.json", budget, plan)
     meta = {
@@ -399,11 +411,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     for row in rows:
         # A row without randomness (the softmax teacher) needs one seed only.
-        seeds = args.seeds[:1] if row.attention == "softmax" and not row.finetune else args.seeds
+        seeds = args.seeds[:1] if row.is_teacher else args.seeds
         for seed in seeds:
             if any(r["row"] == row.name and r["seed"] == seed for r in results):
                 continue
-            result = run(row, seed, budget, plan, teacher_images=teacher_images)
+            result = run(row, seed, budget, plan, teacher_raw=teacher_raw)
             results.append(result)
             print(
                 f"{row.name:12s} seed {seed}: ToyEval {result['toyeval']['overall']:.3f}, val loss "

@@ -1,5 +1,5 @@
 """`benchmarks/ablations.py`: an interrupted sweep resumes from its results file, and only when the
-budget and the evaluation are the same.
+budget and the evaluation are the same; the teacher row is the cached reference every row is compared with.
 
 Run as subprocesses: tests do not import `benchmarks/`. The row is `t5-zero-ft` (converted, not
 fine-tuned), so each run is an evaluation of two samples; `--steps` still changes the budget.
@@ -39,3 +39,20 @@ def test_a_sweep_resumes_only_with_the_same_budget_and_evaluation(tmp_path):
     assert json.loads((tmp_path / "sweep.json").read_text())["rows"] == rows
     assert _ran(_sweep(tmp_path, "--eval-count", "3"))
     assert _ran(_sweep(tmp_path, "--eval-count", "3", "--steps", "5"))
+
+
+def test_the_teacher_row_is_the_cached_reference(tmp_path):
+    """The teacher row reports the reference samples every row is compared with (cached, not resampled)."""
+    command = [sys.executable, "-m", "benchmarks.ablations", "--rows", "teacher", "--seeds", "0", "--wide-count", "0"]
+    command += ["--results-dir", str(tmp_path), "--json", "teacher", "--eval-count", "2"]
+    done = subprocess.run(
+        command, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "teacher.json").read_text())
+    (row,) = result["rows"]
+    assert row["teacher_distance"] == 0.0
+    assert row["hits"] == result["meta"]["teacher_hits"]
+    assert row["background"] == result["meta"]["teacher_background"]
+    assert row["toyeval"] == result["meta"]["teacher_toyeval"]
+    assert list((tmp_path / ".cache").glob("teacher-*-2-raw.safetensors"))
