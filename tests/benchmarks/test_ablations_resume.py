@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 ROW = "t5-zero-ft"
 
 
-def _sweep(results: Path, *flags: str) -> str:
-    """Run the sweep on one row and seed with two ToyEval samples; returns its stdout."""
-    command = [sys.executable, "-m", "benchmarks.ablations", "--rows", ROW, "--seeds", "0", "--wide-count", "0"]
+def _sweep(results: Path, *flags: str, row: str = ROW) -> str:
+    """Run the sweep on one row and seed 0 into `results`/sweep.json; returns its stdout."""
+    command = [sys.executable, "-m", "benchmarks.ablations", "--rows", row, "--seeds", "0", "--wide-count", "0"]
     command += ["--results-dir", str(results), "--json", "sweep", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -43,13 +43,8 @@ def test_a_sweep_resumes_only_with_the_same_budget_and_evaluation(tmp_path):
 
 def test_the_teacher_row_is_the_cached_reference(tmp_path):
     """The teacher row reports the reference samples every row is compared with (cached, not resampled)."""
-    command = [sys.executable, "-m", "benchmarks.ablations", "--rows", "teacher", "--seeds", "0", "--wide-count", "0"]
-    command += ["--results-dir", str(tmp_path), "--json", "teacher", "--eval-count", "2"]
-    done = subprocess.run(
-        command, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads((tmp_path / "teacher.json").read_text())
+    _sweep(tmp_path, "--eval-count", "2", row="teacher")
+    result = json.loads((tmp_path / "sweep.json").read_text())
     (row,) = result["rows"]
     assert row["teacher_distance"] == 0.0
     assert row["hits"] == result["meta"]["teacher_hits"]
