@@ -116,6 +116,10 @@ def test_failed_runs_keep_the_earlier_checkpoints(inputs, tmp_path):
         run(flags(inputs, out, "--checkpoint.resume", "never"))
     with pytest.raises(ValueError, match=r"trained with other settings: --training.seed 0 -> 1"):
         run(flags(inputs, out, "--training.seed", "1", "--training.steps", "3"))
+    with pytest.raises(ValueError, match=r"trained with other settings: --model.joint_mode 'ttt' -> 'hybrid'"):
+        run(flags(inputs, out, "--model.joint_mode", "hybrid", "--training.steps", "3"))
+    with pytest.raises(ValueError, match=r"trained with other settings: --model.neighborhood 0 -> 3"):
+        run(flags(inputs, out, "--model.neighborhood", "3", "--training.steps", "3"))
     with pytest.raises(FileNotFoundError):
         run(flags(inputs, out, "--training.steps", "3", base=inputs["root"] / "missing"))
     after = {p.relative_to(out): p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
