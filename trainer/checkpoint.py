@@ -8,7 +8,8 @@ written last. It is assembled in a hidden temp folder and renamed into place, so
 leaves the earlier checkpoints untouched. Rank 0 writes the shared files; on a multi-node run the
 output folder must be on a filesystem every node sees.
 
-The resume policy: `resume_path` reads `--checkpoint.resume` before anything is built, `resume_from` loads.
+The resume policy: `resume_path` reads `--checkpoint.resume` and checks the chosen checkpoint's settings before
+anything is built; `resume_from` loads it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from trainer.config import TrainConfig
 from trainer.distributed import World
 from trainer.optim import strip_wrapper_prefix
 
-__all__ = ["CheckpointManager", "Resumed", "RunAlreadyFinished", "resume_from", "resume_path"]
+__all__ = ["CheckpointManager", "RunAlreadyFinished", "resume_from", "resume_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,13 +105,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
 
 
-@dataclass(frozen=True, slots=True)
-class Resumed:
-    """What a loaded checkpoint says: the step reached and the rest of `state.json`."""
+def _read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's `state.json`.
 
-    path: Path
-    step: int
-    state: dict[str, Any]
+    Raises:
+        FileNotFoundError: `path` is not a complete checkpoint.
+    """
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint (no {STATE_FILE}). Give a checkpoints/step-N folder "
+            "of an earlier run, or --checkpoint.resume auto."
+        )
+    return json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
 
 
 class CheckpointManager:
@@ -223,8 +229,9 @@ class CheckpointManager:
         for old in self.steps()[: -self.keep]:
             shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
 
-    def load(self, path: str | Path) -> Resumed:
-        """Restore a checkpoint into the tracked model, optimizer and scheduler, and the RNG (collective).
+    def load(self, path: str | Path) -> int:
+        """Restore a checkpoint into the tracked model, optimizer and scheduler, and the RNG (collective);
+        returns its step.
 
         Each rank restores its own RNG when the world size is unchanged (otherwise the rank seeds of
         the new world stay in force, with a warning).
@@ -233,12 +240,7 @@ class CheckpointManager:
             FileNotFoundError: `path` is not a complete checkpoint.
         """
         path = Path(path)
-        if not (path / STATE_FILE).is_file():
-            raise FileNotFoundError(
-                f"{path} is not a complete checkpoint (no {STATE_FILE}). Give a checkpoints/step-N folder "
-                "of an earlier run, or --checkpoint.resume auto."
-            )
-        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        state = _read_state(path)
         # Every rank reads the full trained state and keeps its part. (broadcast_from_rank0 would spare
         # the other ranks the read, but it deadlocks under FSDP2 with gloo in torch 2.14.)
         model_state = load_file(str(path / "model.safetensors"))
@@ -261,7 +263,7 @@ class CheckpointManager:
         else:
             logger.warning("Checkpoint: world size changed; ranks keep their fresh RNG seeds")
         logger.info("Checkpoint: resumed from %s (step %d)", path, state["step"])
-        return Resumed(path, int(state["step"]), state)
+        return int(state["step"])
 
 
 class RunAlreadyFinished(Exception):
@@ -269,13 +271,26 @@ class RunAlreadyFinished(Exception):
 
 
 def resume_path(config: TrainConfig, checkpoints: CheckpointManager) -> Path | None:
-    """The checkpoint to continue from, None to start fresh, as `--checkpoint.resume` says.
+    """The checkpoint to continue from, None to start fresh, as `--checkpoint.resume` says; a checkpoint's
+    settings are checked here, before anything is loaded or built.
+
+    A finished run (its last step checkpointed) is continued, with no step left to train, only when its
+    weights file is missing: its export did not complete, and continuing writes it.
 
     Raises:
-        RunAlreadyFinished: `auto`, and the newest checkpoint is the last step (nothing to redo).
-        ValueError: `auto`, and the newest checkpoint is past `--training.steps`.
+        RunAlreadyFinished: `auto`, and the newest checkpoint is the last step and the weights file exists.
+        ValueError: `auto`, and the newest checkpoint is past `--training.steps`; or the checkpoint was
+            trained with other settings (`_RESUME_KEYS`).
         FileExistsError: `never`, and the folder holds an earlier run's checkpoints.
+        FileNotFoundError: a checkpoint folder was given that is not a complete checkpoint.
     """
+    path = _chosen_checkpoint(config, checkpoints)
+    if path is not None:
+        _check_resume_config(_read_state(path)["config"], config)
+    return path
+
+
+def _chosen_checkpoint(config: TrainConfig, checkpoints: CheckpointManager) -> Path | None:
     mode, steps, wanted = config.checkpoint.resume, checkpoints.steps(), config.training.steps
     if mode == "force":
         return None
@@ -291,12 +306,15 @@ def resume_path(config: TrainConfig, checkpoints: CheckpointManager) -> Path | N
         return Path(mode).expanduser()
     if not steps:
         return None
-    if steps[-1] == wanted:
+    weights = Path(config.output.dir).expanduser() / config.output.name
+    if steps[-1] == wanted and weights.is_file():
         raise RunAlreadyFinished(
             f"{checkpoints.folder.parent} holds a finished run (step {wanted} of {wanted}); nothing was changed. "
             "To train again from the start pass --checkpoint.resume force, to train longer raise --training.steps, "
             "or choose another --output.dir."
         )
+    if steps[-1] == wanted:
+        logger.info("Checkpoint: step %d is the last, but %s is missing; exporting it from that step", wanted, weights)
     if steps[-1] > wanted:
         raise ValueError(
             f"{checkpoints.folder} holds a checkpoint at step {steps[-1]}, past --training.steps {wanted}; nothing "
@@ -322,11 +340,7 @@ def _check_resume_config(saved_text: str, config: TrainConfig) -> None:
         )
 
 
-def resume_from(path: Path | None, checkpoints: CheckpointManager, *, config: TrainConfig) -> int:
-    """Load `path` (from `resume_path`; None: start at 0) into what `checkpoints` tracks and check its settings;
-    returns its step."""
-    if path is None:
-        return 0
-    resumed = checkpoints.load(path)
-    _check_resume_config(resumed.state["config"], config)
-    return resumed.step
+def resume_from(path: Path | None, checkpoints: CheckpointManager) -> int:
+    """Load `path` (from `resume_path`, which checked its settings; None: start at 0) into what `checkpoints`
+    tracks; returns its step."""
+    return 0 if path is None else checkpoints.load(path)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MemoryPlan",
+    "PlanDoesNotFit",
     "PlanSettings",
     "check_plan",
     "count_parameters",
@@ -48,6 +49,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
+
+
+class PlanDoesNotFit(RuntimeError):
+    """The run's memory plan exceeds the memory per GPU; the message names flag changes that would fit."""
 TRAINED_BYTES = 16
 """fp32 weight + fp32 gradient + AdamW exp_avg + exp_avg_sq, 4 bytes each."""
 BLOCK_ACTIVATION_WIDTHS = 24
@@ -255,7 +260,7 @@ def check_plan(
         teacher_params (`int`, *optional*): parameters of the frozen teacher.
 
     Raises:
-        RuntimeError: the plan does not fit; the message lists flag changes that would, or says that none does.
+        PlanDoesNotFit: the plan does not fit; the message lists flag changes that would, or says that none does.
     """
     settings = PlanSettings.of(config, world_size=world_size, teacher_params=teacher_params)
     margin = RUNTIME_MARGIN_GIB if budget_gib is not None else 0.0
@@ -285,7 +290,7 @@ def check_plan(
     else:
         fixes = suggest(counts, shape, settings, budget_gib=budget_gib)
         hint = "; ".join(fixes) if fixes else "train fewer weights (--model.trainable t5)"
-    raise RuntimeError(
+    raise PlanDoesNotFit(
         f"the run needs about {plan.total_gib:.1f} GiB per GPU but has {budget_gib:.1f} GiB ({plan.summary()}). "
         f"Try: {hint}."
     )

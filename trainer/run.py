@@ -20,6 +20,7 @@ if __package__ in (None, ""):
 
 from trainer.checkpoint import RunAlreadyFinished
 from trainer.cli import parse_args
+from trainer.memory import PlanDoesNotFit
 from trainer.train import RunResult, run
 
 logger = logging.getLogger("trainer.run")
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(finished)
         return 0
-    except (OSError, ValueError, TypeError) as error:  # missing files, permissions, the Hub, settings
+    except (OSError, ValueError, TypeError, PlanDoesNotFit) as error:  # files, permissions, the Hub, settings, memory
         return _fail(error)
     if rank == 0:
         print(_summary(result))

@@ -125,15 +125,16 @@ def run(config: TrainConfig) -> RunResult:
         FileNotFoundError / ValueError / TypeError: a missing or unsuitable base, data or setting (the
             config is checked with `trainer.presets.check_config` first).
         PermissionError: the output folder is not writable.
-        RuntimeError: the memory plan does not fit, or the machine cannot run a requested feature.
+        trainer.memory.PlanDoesNotFit: the memory plan does not fit.
+        RuntimeError: the machine cannot run a requested feature.
         trainer.hub.HubError: `--output.push_to_hub` cannot reach the Hub, or the upload failed (the run's files
             stay, and the message gives the command that retries the upload).
     """
     check_config(config)
     threads = torch.get_num_threads()
+    world = init_world(config.parallel)
     if config.training.threads:
         torch.set_num_threads(config.training.threads)
-    world = init_world(config.parallel)
     try:
         return _run(config, world)
     finally:
@@ -141,13 +142,17 @@ def run(config: TrainConfig) -> RunResult:
         torch.set_num_threads(threads)
 
 
-def _start_output(config: TrainConfig, world: World, checkpoints: CheckpointManager, output: Path) -> None:
-    """Check that the batch splits over the world; on rank 0 clear checkpoints under `force` and save the config."""
+def _check_batch_split(config: TrainConfig, world: World) -> None:
     if config.training.batch_size % world.world_size:
         raise ValueError(
             f"--training.batch_size {config.training.batch_size} does not split evenly over {world.world_size} "
             "processes; use a multiple of the process count."
         )
+
+
+def _start_output(config: TrainConfig, world: World, checkpoints: CheckpointManager, output: Path) -> None:
+    """On rank 0, once everything the run needs is built: clear the earlier run's checkpoints under `force`
+    (a run that fails before this point leaves them as they were) and save the config."""
     if world.is_main:
         if config.checkpoint.resume == "force":
             checkpoints.clear()
@@ -218,7 +223,7 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     seed_everything(config.training.seed)
     checkpoints = CheckpointManager(output / "checkpoints", world, keep=config.checkpoint.keep)
     resume = resume_path(config, checkpoints)
-    _start_output(config, world, checkpoints, output)
+    _check_batch_split(config, world)
 
     base = load_base(config.model)
     source = _build_source(config, base, world, output)
@@ -226,11 +231,12 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     teacher = make_teacher(base, dtype=config.training.dtype) if config.loss.needs_teacher else None
     handle, split = build_model(base, config)
     memory = plan_run(config, handle, split, source=source, plan=plan, world=world, teacher=teacher)
+    _start_output(config, world, checkpoints, output)
     parts = _train_parts(
         config, world, handle, split, teacher=teacher, source=source, plan=plan, checkpoints=checkpoints, output=output
     )
     checkpoints.track(parts.model, parts.optimizer, parts.scheduler)
-    start = resume_from(resume, checkpoints, config=config)
+    start = resume_from(resume, checkpoints)
     parts.metrics.resume_at(start)
     _log_built(config, handle, world, start)
     result = train_loop(parts, start_step=start)

@@ -121,7 +121,7 @@ def test_failed_runs_keep_the_earlier_checkpoints(inputs, tmp_path):
     with pytest.raises(ValueError, match=r"trained with other settings: --model.neighborhood 0 -> 3"):
         run(flags(inputs, out, "--model.neighborhood", "3", "--training.steps", "3"))
     with pytest.raises(FileNotFoundError):
-        run(flags(inputs, out, "--training.steps", "3", base=inputs["root"] / "missing"))
+        run(flags(inputs, out, "--training.steps", "3", "--checkpoint.resume", "force", base=inputs["root"] / "missing"))
     after = {p.relative_to(out): p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
     assert after == before
 
@@ -144,8 +144,7 @@ def test_checkpoint_write_failure_keeps_earlier_checkpoints(tmp_path):
         saved = model.weight.detach().clone()
         with torch.no_grad():
             model.weight.zero_()
-        resumed = manager.load(manager.latest())
-        assert resumed.step == 1
+        assert manager.load(manager.latest()) == 1
         torch.testing.assert_close(model.weight.detach(), saved, rtol=0, atol=0)
     finally:
         world.close()

@@ -5,6 +5,8 @@ setting is one line on stderr with no traceback."""
 from __future__ import annotations
 
 import pytest
+import torch
+from safetensors import safe_open
 
 from testing.trainer_assets import RECIPE_FLAGS, write_base, write_cache
 from trainer.metrics import read_metrics
@@ -29,6 +31,12 @@ def _argv(inputs, out, *extra: str) -> list[str]:
         *RECIPE_FLAGS,
         *extra,
     ]  # fmt: skip
+
+
+def _weights(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A weights file's tensors and metadata (its bytes order the metadata as the writer's hash map does)."""
+    with safe_open(str(path), "pt") as file:
+        return {name: file.get_tensor(name) for name in file.keys()}, file.metadata()
 
 
 def _outputs(out) -> dict[str, bytes]:
@@ -110,3 +118,49 @@ def test_a_one_process_run_gives_no_ddp_stride_warning(inputs, tmp_path):
         warnings.simplefilter("always")
         assert main(_argv(inputs, tmp_path / "out")) == 0
     assert not [w for w in caught if "Grad strides do not match" in str(w.message)]
+
+
+def test_a_run_whose_export_did_not_complete_is_exported_from_its_last_checkpoint(inputs, tmp_path, capsys):
+    """A crash after the last checkpoint (in the export, the evaluation or the copy to ComfyUI) leaves a finished
+    run without its weights file: the same command writes it again, from that checkpoint, with no step
+    trained, and the file is the uninterrupted run's."""
+    out = tmp_path / "out"
+    assert main(_argv(inputs, out)) == 0
+    weights = out / "t5.safetensors"
+    first = _weights(weights)
+    checkpoints = {name: data for name, data in _outputs(out).items() if name.startswith("checkpoints/")}
+    weights.unlink()
+    capsys.readouterr()
+
+    assert main(_argv(inputs, out)) == 0
+    assert "trained to step 2" in capsys.readouterr().out
+    second = _weights(weights)
+    assert second[1] == first[1] and second[0].keys() == first[0].keys()
+    for name, tensor in first[0].items():
+        torch.testing.assert_close(second[0][name], tensor, rtol=0, atol=0)
+    assert {name: data for name, data in _outputs(out).items() if name.startswith("checkpoints/")} == checkpoints
+    assert [row["step"] for row in read_metrics(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_resume_with_other_settings_is_refused_before_the_base_is_loaded(inputs, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    assert main(_argv(inputs, out, "--checkpoint.every", "1", "--training.steps", "1")) == 0
+    before = _outputs(out)
+    capsys.readouterr()
+
+    def no_loading(*_args, **_kwargs):
+        raise AssertionError("the base was loaded before the checkpoint's settings were checked")
+
+    monkeypatch.setattr("trainer.train.load_base", no_loading)
+    assert main(_argv(inputs, out, "--training.seed", "1")) == 2
+    assert "trained with other settings: --training.seed 0 -> 1" in capsys.readouterr().err
+    assert main(_argv(inputs, out, "--checkpoint.resume", str(out / "checkpoints" / "step-7"))) == 2
+    assert "step-7 is not a complete checkpoint" in capsys.readouterr().err
+    assert _outputs(out) == before
+
+
+def test_a_run_that_does_not_fit_the_memory_is_one_line_without_a_traceback(inputs, tmp_path, capsys):
+    assert main(_argv(inputs, tmp_path / "out", "--parallel.gpu_memory_gib", "0.5")) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("trainer/run.py: error: ") and error.count("\n") == 1
+    assert "needs about" in error and "but has 0.5 GiB" in error and "Try:" in error
