@@ -53,6 +53,8 @@ GIB = 1024**3
 
 class PlanDoesNotFit(RuntimeError):
     """The run's memory plan exceeds the memory per GPU; the message names flag changes that would fit."""
+
+
 TRAINED_BYTES = 16
 """fp32 weight + fp32 gradient + AdamW exp_avg + exp_avg_sq, 4 bytes each."""
 BLOCK_ACTIVATION_WIDTHS = 24

@@ -121,7 +121,9 @@ def test_failed_runs_keep_the_earlier_checkpoints(inputs, tmp_path):
     with pytest.raises(ValueError, match=r"trained with other settings: --model.neighborhood 0 -> 3"):
         run(flags(inputs, out, "--model.neighborhood", "3", "--training.steps", "3"))
     with pytest.raises(FileNotFoundError):
-        run(flags(inputs, out, "--training.steps", "3", "--checkpoint.resume", "force", base=inputs["root"] / "missing"))
+        run(
+            flags(inputs, out, "--training.steps", "3", "--checkpoint.resume", "force", base=inputs["root"] / "missing")
+        )
     after = {p.relative_to(out): p.read_bytes() for p in (out / "checkpoints").rglob("*") if p.is_file()}
     assert after == before
 
