@@ -113,6 +113,11 @@ class ModelConfig:
             f"must be positive or `none`; got {self.key_norm_eps}.",
         )
         _require(
+            self.merge == "cumulant" or self.joint_mode == "hybrid",
+            "model.merge",
+            f"`{self.merge}` weighs text against images in hybrid joint attention; add --model.joint_mode hybrid.",
+        )
+        _require(
             is_neighborhood(self.neighborhood),
             "model.neighborhood",
             f"must be 0 (off) or an odd window side such as 5; got {self.neighborhood}.",
@@ -250,7 +255,8 @@ class OptimConfig:
         _require(self.new_lr_mult > 0, "optim.new_lr_mult", "must be positive.")
         _require(self.inherited_lr_mult >= 0, "optim.inherited_lr_mult", "must not be negative (0 freezes).")
         _require(self.weight_decay >= 0, "optim.weight_decay", "must not be negative.")
-        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1", "betas must be in [0, 1).")
+        _require(0 <= self.beta1 < 1, "optim.beta1", "must be in [0, 1).")
+        _require(0 <= self.beta2 < 1, "optim.beta2", "must be in [0, 1).")
         _require(self.grad_clip >= 0, "optim.grad_clip", "must not be negative.")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", "must not be negative.")
         _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1].")

@@ -228,7 +228,11 @@ def _scan_images(folder: Path, files: list[Path], sizes: list[tuple[int, int]]) 
     for path in files:
         key = str(path.relative_to(folder))
         caption_file = path.with_suffix(".txt")
-        caption = caption_file.read_text(encoding="utf-8").strip() if caption_file.is_file() else ""
+        try:
+            caption = caption_file.read_text(encoding="utf-8").strip() if caption_file.is_file() else ""
+        except (OSError, UnicodeDecodeError) as error:
+            skipped[key] = f"unreadable caption {caption_file.name} ({error})"
+            continue
         if not caption:
             skipped[key] = f"no caption ({caption_file.name} missing or empty)"
             continue

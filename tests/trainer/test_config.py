@@ -78,6 +78,10 @@ def test_bad_config_file_names_the_problem(tmp_path, toml, error, match):
     [
         pytest.param(["--training.batch_size", "0"], r"--training.batch_size: must be at least 1", id="batch-0"),
         pytest.param(["--optim.lr", "-1"], r"--optim.lr: must be positive", id="negative-lr"),
+        pytest.param(["--optim.beta2", "1.0"], r"--optim.beta2: must be in \[0, 1\)", id="beta2"),
+        pytest.param(
+            ["--model.merge", "learned"], r"--model.merge: `learned` .* add --model.joint_mode hybrid", id="merge-ttt"
+        ),
         pytest.param(["--loss.flow_weight", "0"], r"--loss.flow_weight: all loss weights are 0", id="no-loss"),
         pytest.param(["--data.resolution", "100"], r"--data.resolution: must be a multiple of 16", id="resolution"),
         pytest.param(["--data.source", "images"], r"--data.path: source 'images' needs a path", id="no-path"),

@@ -43,6 +43,8 @@ def image_folder(tmp_path):
     (folder / "truncated.png").write_bytes(truncated[: len(truncated) // 2])
     (folder / "truncated.txt").write_text("half an image")
     Image.new("RGB", (32, 32)).save(folder / "uncaptioned.png")
+    Image.new("RGB", (32, 32)).save(folder / "latin1.png")
+    (folder / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     return folder
 
 
@@ -59,8 +61,9 @@ def test_image_folder_is_encoded_skipping_bad_files(pipeline, image_folder, tmp_
         transformer=trainer_transformer(), world=world,
     )  # fmt: skip
     manifest = json.loads((cache / "manifest.json").read_text())
-    assert sorted(manifest["skipped"]) == ["corrupt.png", "truncated.png", "uncaptioned.png"]
+    assert sorted(manifest["skipped"]) == ["corrupt.png", "latin1.png", "truncated.png", "uncaptioned.png"]
     assert "no caption" in manifest["skipped"]["uncaptioned.png"]
+    assert "unreadable caption latin1.txt" in manifest["skipped"]["latin1.png"]
     assert "unreadable image" in manifest["skipped"]["corrupt.png"]
     source = CacheSource(cache)
     # 2x VAE downsampling: 1:1 -> 32x32 px -> 16x16 latents; 4:3 -> 36x28 px -> (14, 18); 3:4 -> (18, 14).
