@@ -224,14 +224,19 @@ def test_time_budget_stops_checkpoints_and_exports(inputs, tmp_path):
     assert result.weights.is_file()
 
 
-def test_toy_source_trains_and_evaluates_the_toy_base(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_toy_source_trains_and_evaluates_the_toy_base(tmp_path, precision):
+    """Under bf16 the frozen weights are held in bf16; ToyEval samples an fp32 copy (it crashed on the
+    dtype mismatch), and the run's model keeps its weights as trained."""
     config = parse_args(
         [
             "--training.steps", "1", "--training.batch_size", "2", "--output.dir", str(tmp_path),
-            "--output.progress", "false", "--output.toy_eval_samples", "4",
+            "--output.progress", "false", "--output.toy_eval_samples", "4", "--training.precision", precision,
         ]
     )  # fmt: skip
     result = run(config)
+    dtypes = {parameter.dtype for parameter in result.handle.model.parameters() if not parameter.requires_grad}
+    assert dtypes == ({torch.bfloat16} if precision == "bf16" else {torch.float32})
     assert result.step == 1 and result.weights.is_file()
     assert result.handle.modules.keys() == {"blocks.0.attn2", "blocks.1.attn2", "blocks.3.attn"}  # `paper`
     report = json.loads((tmp_path / "report.json").read_text())

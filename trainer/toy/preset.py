@@ -7,6 +7,7 @@ time it looks the name up.
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from t5core.atomic import write_text_atomic
 from trainer.config import DataConfig, TrainConfig
 from trainer.data import Batch
 from trainer.distributed import World
@@ -64,11 +66,14 @@ def evaluate_toy(student: nn.Module, config: TrainConfig, output: Path, world: W
     if config.parallel.mode == "fsdp2" and world.world_size > 1:
         logger.info("ToyEval skipped: the student is sharded over %d processes (FSDP2)", world.world_size)
         return None
-    from trainer.toy.report import compare, write_grid
+    from trainer.toy.report import compare, comparison_table, write_grid
 
+    if config.training.precision == "bf16":  # frozen weights are held in bf16: sample an fp32 copy
+        student = copy.deepcopy(student).float()
     student.eval()
     comparison = compare(load_toy_base().to(world.device), student, count=samples, progress=config.output.progress)
-    (output / "toy_eval.md").write_text(comparison.table() + "\n", encoding="utf-8")
+    numbers = comparison.as_dict()
+    write_text_atomic(output / "toy_eval.md", comparison_table(numbers) + "\n")
     write_grid(output / "grid.png", comparison)
     logger.info(
         "ToyEval: teacher %.3f, T5 student %.3f (overall); wrote %s and %s",
@@ -77,7 +82,7 @@ def evaluate_toy(student: nn.Module, config: TrainConfig, output: Path, world: W
         output / "toy_eval.md",
         output / "grid.png",
     )
-    return comparison.as_dict()
+    return numbers
 
 
 def card_section(evaluation: Mapping[str, Any]) -> list[str]:
