@@ -3,7 +3,7 @@
 A checkpoint is a folder `checkpoints/step-N` holding `model.safetensors` (the trained parameters,
 gathered to full tensors, so DDP, FSDP2 and any world size read it), `optimizer.pt` (the optimizer's
 full state: tensors and numbers only, read back with `weights_only=True`), `rng-{rank}.pt` (each
-rank's torch / Python / NumPy RNG) and `state.json` (step, scheduler, data position, config),
+rank's torch / Python / NumPy RNG) and `state.json` (step, scheduler, seconds trained, config),
 written last. It is assembled in a hidden temp folder and renamed into place, so a crash mid-write
 leaves the earlier checkpoints untouched. Rank 0 writes the shared files; on a multi-node run the
 output folder must be on a filesystem every node sees.
@@ -20,7 +20,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from trainer.config import TrainConfig
 from trainer.distributed import World
 from trainer.optim import strip_wrapper_prefix
 
-__all__ = ["CheckpointManager", "RunAlreadyFinished", "resume_from", "resume_path"]
+__all__ = ["CheckpointManager", "RunAlreadyFinished", "Start", "resume_from", "resume_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached))
 
 
+def _trained_seconds(state: dict[str, Any]) -> float:
+    """Seconds of training a checkpoint's run had spent (0 for checkpoints written before they were kept)."""
+    return float(state.get("trained_seconds", 0.0))
+
+
 def _read_state(path: Path) -> dict[str, Any]:
     """A checkpoint's `state.json`.
 
@@ -117,6 +122,15 @@ def _read_state(path: Path) -> dict[str, Any]:
             "of an earlier run, or --checkpoint.resume auto."
         )
     return json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Where a run's training starts: the step, and the seconds of training the run spent before it
+    (counted against `--training.max_minutes`); `Start()` for a fresh run."""
+
+    step: int = 0
+    seconds: float = 0.0
 
 
 class CheckpointManager:
@@ -229,9 +243,9 @@ class CheckpointManager:
         for old in self.steps()[: -self.keep]:
             shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
 
-    def load(self, path: str | Path) -> int:
+    def load(self, path: str | Path) -> Start:
         """Restore a checkpoint into the tracked model, optimizer and scheduler, and the RNG (collective);
-        returns its step.
+        returns where training continues.
 
         Each rank restores its own RNG when the world size is unchanged (otherwise the rank seeds of
         the new world stay in force, with a warning).
@@ -263,7 +277,7 @@ class CheckpointManager:
         else:
             logger.warning("Checkpoint: world size changed; ranks keep their fresh RNG seeds")
         logger.info("Checkpoint: resumed from %s (step %d)", path, state["step"])
-        return int(state["step"])
+        return Start(int(state["step"]), _trained_seconds(state))
 
 
 class RunAlreadyFinished(Exception):
@@ -306,15 +320,16 @@ def _chosen_checkpoint(config: TrainConfig, checkpoints: CheckpointManager) -> P
         return Path(mode).expanduser()
     if not steps:
         return None
+    finished = _finished(config, checkpoints.folder / f"step-{steps[-1]}", steps[-1])
     weights = Path(config.output.dir).expanduser() / config.output.name
-    if steps[-1] == wanted and weights.is_file():
+    if finished and weights.is_file():
         raise RunAlreadyFinished(
-            f"{checkpoints.folder.parent} holds a finished run (step {wanted} of {wanted}); nothing was changed. "
-            "To train again from the start pass --checkpoint.resume force, to train longer raise --training.steps, "
-            "or choose another --output.dir."
+            f"{checkpoints.folder.parent} holds a finished run ({finished}); nothing was changed. To train again "
+            "from the start pass --checkpoint.resume force, to train longer raise --training.steps or "
+            "--training.max_minutes, or choose another --output.dir."
         )
-    if steps[-1] == wanted:
-        logger.info("Checkpoint: step %d is the last, but %s is missing; exporting it from that step", wanted, weights)
+    if finished:
+        logger.info("Checkpoint: the run is finished (%s), but %s is missing; exporting it", finished, weights)
     if steps[-1] > wanted:
         raise ValueError(
             f"{checkpoints.folder} holds a checkpoint at step {steps[-1]}, past --training.steps {wanted}; nothing "
@@ -322,6 +337,17 @@ def _chosen_checkpoint(config: TrainConfig, checkpoints: CheckpointManager) -> P
             "the start, or choose another --output.dir."
         )
     return checkpoints.latest()
+
+
+def _finished(config: TrainConfig, newest: Path, step: int) -> str:
+    """Why the run whose newest checkpoint is `newest` (at `step`) has nothing left to train, or ""."""
+    wanted, minutes = config.training.steps, config.training.max_minutes
+    if step == wanted:
+        return f"step {wanted} of {wanted}"
+    spent = _trained_seconds(_read_state(newest))
+    if minutes and spent >= minutes * 60:
+        return f"its --training.max_minutes {minutes:g} was spent at step {step} of {wanted}"
+    return ""
 
 
 def _flat(config: TrainConfig) -> dict[str, object]:
@@ -340,7 +366,7 @@ def _check_resume_config(saved_text: str, config: TrainConfig) -> None:
         )
 
 
-def resume_from(path: Path | None, checkpoints: CheckpointManager) -> int:
-    """Load `path` (from `resume_path`, which checked its settings; None: start at 0) into what `checkpoints`
-    tracks; returns its step."""
-    return 0 if path is None else checkpoints.load(path)
+def resume_from(path: Path | None, checkpoints: CheckpointManager) -> Start:
+    """Load `path` (from `resume_path`, which checked its settings; None: a fresh start) into what `checkpoints`
+    tracks; returns where training continues."""
+    return Start() if path is None else checkpoints.load(path)

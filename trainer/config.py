@@ -271,7 +271,8 @@ class TrainingConfig:
     steps: int = 120
     """Optimizer steps."""
     max_minutes: float = 0.0
-    """Wall-clock budget in minutes (0 = none); the run stops, checkpoints and exports when it is spent."""
+    """Training-time budget in minutes (0 = none), counted over resumes; the run stops, checkpoints and exports
+    when it is spent, and a run that spent it is finished (raise it to train longer)."""
     seed: int = 0
     """Seed of data order, noise and timesteps (rank-independent, so N processes see the same global batch)."""
     precision: Literal["fp32", "bf16"] = "fp32"

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint import CheckpointManager, Start
 from trainer.cli import config_to_toml
 from trainer.config import TrainConfig
 from trainer.data import Batch, BatchPlan, Source
@@ -129,15 +129,19 @@ def _out_of_time(parts: TrainParts, deadline: float | None) -> bool:
     return bool(flag.item())
 
 
-def train_loop(parts: TrainParts, *, start_step: int) -> LoopResult:
-    """Train from `start_step` until `--training.steps` or `--training.max_minutes`; checkpoint on the way."""
+def train_loop(parts: TrainParts, *, start: Start) -> LoopResult:
+    """Train from `start` until `--training.steps`, or until the run's training time (this session's and
+    the resumed checkpoint's) reaches `--training.max_minutes`; checkpoint on the way."""
     config = parts.config
     total = config.training.steps
-    progress = Progress(total=total, initial=start_step, enabled=parts.world.is_main and config.output.progress)
+    progress = Progress(total=total, initial=start.step, enabled=parts.world.is_main and config.output.progress)
     started = time.monotonic()
-    deadline = started + config.training.max_minutes * 60 if config.training.max_minutes else None
+    budget = config.training.max_minutes * 60
+    deadline = started + budget - start.seconds if budget else None
     run_state = {"world_size": parts.world.world_size, "config": config_to_toml(config)}
-    step, reason, last = start_step, "steps", {}
+    step, reason, last = start.step, "steps", {}
+    if budget and start.seconds >= budget:  # resumed only to export: the time was spent before
+        return LoopResult(step, "time", last, 0.0)
     try:
         while step < total:
             tick = time.perf_counter()
@@ -155,7 +159,8 @@ def train_loop(parts: TrainParts, *, start_step: int) -> LoopResult:
             stop = _out_of_time(parts, deadline)
             every = config.checkpoint.every
             if (every and step % every == 0) or step == total or stop:
-                parts.checkpoints.save(step, state={**run_state, "data_position": step})
+                trained = start.seconds + time.monotonic() - started
+                parts.checkpoints.save(step, state={**run_state, "trained_seconds": trained})
             if stop:
                 reason = "time"
                 logger.info(

@@ -237,9 +237,9 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     )
     checkpoints.track(parts.model, parts.optimizer, parts.scheduler)
     start = resume_from(resume, checkpoints)
-    parts.metrics.resume_at(start)
-    _log_built(config, handle, world, start)
-    result = train_loop(parts, start_step=start)
+    parts.metrics.resume_at(start.step)
+    _log_built(config, handle, world, start.step)
+    result = train_loop(parts, start=start)
 
     weights = export_run(config, handle, split, world, steps=result.step)
     evaluation = _evaluate(config, handle, world, output)

@@ -146,7 +146,7 @@ def test_checkpoint_write_failure_keeps_earlier_checkpoints(tmp_path):
         saved = model.weight.detach().clone()
         with torch.no_grad():
             model.weight.zero_()
-        assert manager.load(manager.latest()) == 1
+        assert manager.load(manager.latest()).step == 1
         torch.testing.assert_close(model.weight.detach(), saved, rtol=0, atol=0)
     finally:
         world.close()

@@ -4,6 +4,8 @@ setting is one line on stderr with no traceback."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -164,3 +166,27 @@ def test_a_run_that_does_not_fit_the_memory_is_one_line_without_a_traceback(inpu
     error = capsys.readouterr().err
     assert error.startswith("trainer/run.py: error: ") and error.count("\n") == 1
     assert "needs about" in error and "but has 0.5 GiB" in error and "Try:" in error
+
+
+def test_the_time_budget_counts_the_training_before_a_resume(inputs, tmp_path, capsys):
+    """`--training.max_minutes` is the run's budget, not each session's: a run stopped by it is finished,
+    and a resumed run has only what its checkpoint left (a killed run trains no longer than an uninterrupted one)."""
+    out = tmp_path / "out"
+    budget = ("--training.steps", "50", "--training.max_minutes", "1e-6")
+    assert main(_argv(inputs, out, *budget)) == 0
+    assert "trained to step 1 (--training.max_minutes spent)" in capsys.readouterr().out
+    before = _outputs(out)
+    assert main(_argv(inputs, out, *budget)) == 0
+    assert (
+        "(its --training.max_minutes 1e-06 was spent at step 1 of 50); nothing was changed" in capsys.readouterr().out
+    )
+    assert _outputs(out) == before
+
+    state_file = out / "checkpoints" / "step-1" / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state["trained_seconds"] > 0
+    state_file.write_text(json.dumps({**state, "trained_seconds": 60 - 1e-3}))  # 1 ms of a 1-minute budget left
+    assert main(_argv(inputs, out, "--training.steps", "50", "--training.max_minutes", "1")) == 0
+    assert "trained to step 2 (--training.max_minutes spent)" in capsys.readouterr().out
+    resumed = json.loads((out / "checkpoints" / "step-2" / "state.json").read_text())
+    assert resumed["trained_seconds"] > 60 - 1e-3
