@@ -83,7 +83,8 @@ def _check_outputs(config: TrainConfig, output: Path) -> tuple[ComfyTarget | Non
 
 
 def _on_main(world: World, work: Callable[[], T]) -> T | None:
-    """Do file work on rank 0 only (other nodes may not see the folder); its error is raised on every rank.
+    """Do file work on rank 0 only (other nodes may not see the folder); its error, of any kind, is raised on
+    every rank (a rank left out would wait in the next collective until the timeout).
 
     Returns:
         What `work` returned on rank 0, None on other ranks.
@@ -92,12 +93,12 @@ def _on_main(world: World, work: Callable[[], T]) -> T | None:
     if world.is_main:
         try:
             result = work()
-        except (OSError, ValueError) as caught:
+        except Exception as caught:
             error = caught
     box = [error]
     torch.distributed.broadcast_object_list(box, src=0)
     if box[0] is not None:
-        raise box[0]
+        raise error if world.is_main else box[0]
     return result
 
 

@@ -138,3 +138,30 @@ def test_killed_run_resumes_to_the_same_weights(inputs, single):
     for key in reference:
         # Same process count and thread count as the reference: the resumed run is bit-identical.
         assert torch.equal(resumed[key], reference[key]), key
+
+
+def test_an_error_in_rank_0_file_work_ends_every_rank(tmp_path):
+    """Any error on rank 0's file work (not only OSError and ValueError) reaches the other ranks, which
+    would otherwise wait in the next collective until the timeout."""
+    script = tmp_path / "fail_on_main.py"
+    script.write_text(
+        "from trainer.config import ParallelConfig\n"
+        "from trainer.distributed import init_world\n"
+        "from trainer.train import _on_main\n"
+        "world = init_world(ParallelConfig(device='cpu'))\n"
+        "try:\n"
+        "    _on_main(world, lambda: {}['missing'])\n"
+        "except KeyError:\n"
+        "    print(f'rank {world.rank}: KeyError', flush=True)\n"
+        "finally:\n"
+        "    world.close()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert sorted(line for line in done.stdout.splitlines() if "KeyError" in line) == [
+        "rank 0: KeyError",
+        "rank 1: KeyError",
+    ]
