@@ -33,6 +33,7 @@ __all__ = [
     "PLAN",
     "UNCOND",
     "CacheSource",
+    "check_finished",
     "check_plan",
     "finish_cache",
     "shard_name",
@@ -91,15 +92,36 @@ def check_plan(folder: Path, plan: dict[str, Any], world: World) -> None:
     if world.is_main and not path.is_file():
         write_text_atomic(path, json.dumps(plan, indent=1))
     world.barrier()
-    saved = json.loads(path.read_text(encoding="utf-8"))
-    if saved != plan:
-        differ = ", ".join(
-            f"{key} {saved.get(key)!r} -> {value!r}" for key, value in plan.items() if saved.get(key) != value
-        )
+    differ = _differences(json.loads(path.read_text(encoding="utf-8")), plan)
+    if differ:
         raise ValueError(
             f"{folder} holds an unfinished cache of other inputs or settings ({differ}); rerun with those, or "
             "delete the folder or choose another --data.cache_dir to start over."
         )
+
+
+def check_finished(folder: Path, settings: dict[str, Any]) -> None:
+    """Refuse a finished cache whose `plan.json` records other settings than `settings` (the plan without
+    the inputs' digest, which needs the pipeline to compute).
+
+    Raises:
+        ValueError: names each setting that differs.
+    """
+    path = folder / PLAN
+    differ = _differences(json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}, settings)
+    if differ:
+        raise ValueError(
+            f"{folder} holds a finished cache made with other settings ({differ}); rerun with those, train on it as "
+            f"it is with --data.source cache --data.path {folder}, or choose another --data.cache_dir."
+        )
+
+
+def _differences(saved: dict[str, Any], plan: dict[str, Any]) -> str:
+    """Each setting of `plan` that `saved` records otherwise (one it does not record, as in caches made
+    before it was kept, is not compared)."""
+    return ", ".join(
+        f"{key} {saved[key]!r} -> {value!r}" for key, value in plan.items() if saved.get(key, value) != value
+    )
 
 
 def finish_cache(folder: Path, *, kind: str, uncond: Batch, skipped: dict[str, str]) -> tuple[int, int, dict[str, str]]:

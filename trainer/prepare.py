@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from trainer.cache import MANIFEST, check_plan, finish_cache, shard_name, write_shard
+from trainer.cache import MANIFEST, check_finished, check_plan, finish_cache, shard_name, write_shard
 from trainer.config import DataConfig
 from trainer.data import Batch, bucket_sizes, nearest_bucket
 from trainer.distributed import World
@@ -57,13 +57,11 @@ class _Inputs:
 
     Attributes:
         kind: `images` or `prompts` (the manifest's kind, the progress bar's unit).
-        settings: what else the shards of this kind depend on, recorded in `plan.json`.
         items: the bucket sizes -> the inputs sorted into them, and those skipped (`{key: why}`).
         encode: `(pipeline, shard, size)` -> the shard's samples, and its inputs that failed (`{key: why}`).
     """
 
     kind: str
-    settings: dict[str, object]
     items: Callable[[list[tuple[int, int]]], tuple[list[_Item], dict[str, str]]]
     encode: Callable[[Any, list[_Item], tuple[int, int]], tuple[Batch, dict[str, str]]]
 
@@ -126,17 +124,27 @@ def _shards(items: list[_Item], shard_size: int) -> list[tuple[tuple[int, int], 
     ]
 
 
-def _plan(items: list[_Item], inputs: _Inputs, data: DataConfig) -> dict[str, object]:
-    """What the shards will hold: the kind, its settings, and a digest of the inputs in shard order."""
-    listing = json.dumps([[item.key, item.caption, list(item.size)] for item in items])
-    return {
-        "kind": inputs.kind,
+def _settings(data: DataConfig) -> dict[str, object]:
+    """The settings a cache is made with (recorded in `plan.json`, checked before a finished cache is used)."""
+    settings: dict[str, object] = {
+        "kind": data.source,
+        "path": str(Path(data.path).expanduser().resolve()) if data.path else "",
+        "resolution": data.resolution or DEFAULT_RESOLUTION,
+        "buckets": data.buckets,
         "shard_size": data.shard_size,
         "max_sequence_length": data.max_sequence_length,
-        **inputs.settings,
-        "items": len(items),
-        "sha256": hashlib.sha256(listing.encode()).hexdigest(),
     }
+    if data.source == "prompts":
+        settings.update(
+            prompt_limit=data.prompt_limit, generate_steps=data.generate_steps, guidance_scale=data.guidance_scale
+        )
+    return settings
+
+
+def _plan(items: list[_Item], data: DataConfig) -> dict[str, object]:
+    """What the shards will hold: the settings, and a digest of the inputs in shard order."""
+    listing = json.dumps([[item.key, item.caption, list(item.size)] for item in items])
+    return {**_settings(data), "items": len(items), "sha256": hashlib.sha256(listing.encode()).hexdigest()}
 
 
 def _pending(
@@ -275,7 +283,6 @@ def _image_inputs(data: DataConfig, world: World) -> _Inputs:
     files = _list_images(folder)
     return _Inputs(
         kind="images",
-        settings={},
         items=lambda sizes: _scan_images(folder, files, sizes),
         encode=lambda pipe, shard, size: _encode_images(pipe, folder, shard, size, data=data, world=world),
     )
@@ -323,7 +330,6 @@ def _prompt_inputs(data: DataConfig, world: World) -> _Inputs:
     prompts = prompts[: data.prompt_limit or None]
     return _Inputs(
         kind="prompts",
-        settings={"generate_steps": data.generate_steps, "guidance_scale": data.guidance_scale},
         items=lambda sizes: ([_Item(str(i), prompt, sizes[i % len(sizes)]) for i, prompt in enumerate(prompts)], {}),
         encode=lambda pipe, shard, size: _generate(pipe, shard, size, data=data, world=world),
     )
@@ -343,7 +349,7 @@ def prepare_data(
     progress: bool = True,
 ) -> Path:
     """Encode `--data.source images` or `prompts` into a cache at `cache_dir` (collective); a finished
-    cache there is used as it is.
+    cache there made with the same settings is used as it is.
 
     `images`: the image folder `data.path` (captions in `name.txt` beside `name.png`). `prompts`: the
     frozen softmax model generates latents for each prompt of the file `data.path`, or of the shipped
@@ -360,9 +366,10 @@ def prepare_data(
 
     Raises:
         FileNotFoundError: no such folder or file. ValueError: no inputs, none usable, or a cache folder
-            planned for other inputs or settings.
+            planned for other inputs or settings (a finished one: other settings).
     """
     if (cache_dir / MANIFEST).is_file():
+        check_finished(cache_dir, _settings(data))
         logger.info("Data: using the finished cache %s", cache_dir)
         return cache_dir
     inputs = _INPUTS[data.source](data, world)
@@ -370,7 +377,7 @@ def prepare_data(
     sizes = bucket_sizes(data.buckets, data.resolution or DEFAULT_RESOLUTION, _pixel_multiple(pipe))
     items, skipped = inputs.items(sizes)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    check_plan(cache_dir, _plan(items, inputs, data), world)
+    check_plan(cache_dir, _plan(items, data), world)
     shards = _shards(items, data.shard_size)
     for index, size, shard in _pending(cache_dir, shards, world, unit=inputs.kind, progress=progress):
         batch, failed = inputs.encode(pipe, shard, size)

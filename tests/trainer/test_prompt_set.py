@@ -59,7 +59,8 @@ def pipeline(tmp_path_factory):
 
 def _generate(pipeline, cache, *, prompts_file=None, progress=False, transformer=None, **changes):
     """A prompts cache from the tiny pipeline on one CPU process: one prompt a shard, one sampling step."""
-    data = data_config(source="prompts", path=str(prompts_file or ""), shard_size=1, generate_steps=1, **changes)
+    settings = dict(source="prompts", path=str(prompts_file or ""), shard_size=1, generate_steps=1)
+    data = data_config(**{**settings, **changes})
     world = init_world(ParallelConfig(device="cpu"))
     try:
         return prepare_data(
@@ -118,7 +119,8 @@ def test_unfinished_cache_of_other_prompts_is_refused(pipeline, tmp_path, monkey
     monkeypatch.setattr(prepare_module, "_finish", lambda *args, **kwargs: None)
     _generate(pipeline, cache, prompt_limit=2)
     with pytest.raises(
-        ValueError, match=r"unfinished cache of other inputs or settings \(items 2 -> 3.*--data.cache_dir"
+        ValueError,
+        match=r"unfinished cache of other inputs or settings \(prompt_limit 2 -> 3, items 2 -> 3.*--data.cache_dir",
     ):
         _generate(pipeline, cache, prompt_limit=3)
 
@@ -143,3 +145,17 @@ def test_bf16_pipeline_generates_with_the_fp32_base(pipeline, tmp_path, monkeypa
     # 0.7% here), not the fp32 ones bit for bit. (The latents start from other noise: CPU randn draws
     # bf16 and fp32 tensors of this size from the same seed differently.)
     assert 0 < relative_rms(fp32.context, bf16.context) < 0.02
+
+
+def test_finished_cache_made_with_other_settings_is_refused(pipeline, tmp_path):
+    """A finished cache is used as it is only with the settings it was made with (it was reused whatever they were)."""
+    cache = _generate(pipeline, tmp_path / "cache", prompt_limit=2)
+    manifest = (cache / "manifest.json").read_bytes()
+    assert _count(CacheSource(_generate(pipeline, cache, prompt_limit=2))) == 2
+    with pytest.raises(
+        ValueError, match=r"finished cache made with other settings \(prompt_limit 2 -> 3\).*--data.source cache"
+    ):
+        _generate(pipeline, cache, prompt_limit=3)
+    with pytest.raises(ValueError, match=r"\(kind 'prompts' -> 'images', path '' -> '.*images'"):
+        _generate(pipeline, cache, source="images", path=str(tmp_path / "images"))
+    assert (cache / "manifest.json").read_bytes() == manifest
