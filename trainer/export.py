@@ -186,11 +186,16 @@ def _flatten(section: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]
     return rows
 
 
+def _cell(value: Any) -> Any:
+    """A report value as one line: a list's items joined by commas."""
+    return ", ".join(map(str, value)) if isinstance(value, list) else value
+
+
 def write_report(folder: str | Path, report: dict[str, Any]) -> tuple[Path, Path]:
     """Write `report.json` and a short `report.md` of the run (each section a table), atomically."""
     folder = Path(folder)
     lines = [f"# T5 fine-tune report ({report['stop_reason']} stop after step {report['step']})", ""]
-    lines += [f"* {key}: {value}" for key, value in report.items() if not isinstance(value, dict | list)]
+    lines += [f"* {key}: {_cell(value)}" for key, value in report.items() if not isinstance(value, dict)]
     for key, value in report.items():
         if isinstance(value, dict):
             lines += ["", f"## {key}", "", "| | |", "|---|---|"]

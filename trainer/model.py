@@ -101,10 +101,12 @@ def shipped_config(path: Path) -> Path:
 
 
 def load_base(config: ModelConfig) -> nn.Module:
-    """Load the softmax base transformer (fp32, eval mode, on CPU), offline.
+    """Load the softmax base transformer (fp32, eval mode, on CPU); a Hub repo id is downloaded once into the
+    Hugging Face cache.
 
     Raises:
-        FileNotFoundError: the base or its config does not exist (a Hub repo: not in the offline cache).
+        FileNotFoundError: the base or its config does not exist (a Hub repo: not found, or not in the cache
+            under HF_HUB_OFFLINE=1).
         PermissionError: a gated Hub repo without a token.
         ValueError: the base is not an SD3-family model, or a checkpoint format that would need pickle.
     """

@@ -41,7 +41,8 @@ class ModelPreset:
         load_base (`Callable[[], nn.Module]`): the softmax model, fp32, eval mode, on CPU.
         weight_files (`Callable[[], dict[str, Path]]`): file name -> path of its weights (hashed on the card).
         build_source (`Callable[[DataConfig], Source]`): its training data (at its own default size
-            when `--data.resolution` is 0).
+            when `--data.resolution` is 0); a `ValueError` naming the flag for data settings it cannot
+            use (`check_config` builds it once to check them; building is cheap).
         evaluate (`Callable[[nn.Module, TrainConfig, Path, World], dict | None]`): `evaluate(student,
             config, output, world)` after training, on every rank -> its numbers for the run report (None
             when skipped); it may write files into the run folder `output`.
@@ -97,7 +98,8 @@ def check_config(config: TrainConfig) -> None:
 
     Raises:
         ValueError: names the flag to change: a preset base with another data source, a preset's
-            data source with another base, or a source that reads a path without one.
+            data source with another base, a source that reads a path without one, or data settings
+            the preset cannot use.
     """
     preset, source, owned = get_preset(config.model.base), config.data.source, preset_data_sources()
     if source != "prompts" and source not in owned and not config.data.path:
@@ -112,3 +114,5 @@ def check_config(config: TrainConfig) -> None:
             f"--data.source: --data.source {source!r} belongs to a built-in model; --model.base "
             f"{config.model.base!r} trains on `images`, `prompts` or a `cache`."
         )
+    if preset is not None:
+        preset.build_source(config.data)

@@ -84,6 +84,8 @@ def test_bad_config_file_names_the_problem(tmp_path, toml, error, match):
         ),
         pytest.param(["--loss.flow_weight", "0"], r"--loss.flow_weight: all loss weights are 0", id="no-loss"),
         pytest.param(["--data.resolution", "100"], r"--data.resolution: must be a multiple of 16", id="resolution"),
+        pytest.param(["--data.resolution", "112"], r"--data.resolution: the toy draws 32 to 96 px", id="toy-large"),
+        pytest.param(["--data.resolution", "16"], r"--data.resolution: the toy draws 32 to 96 px", id="toy-small"),
         pytest.param(["--data.source", "images"], r"--data.path: source 'images' needs a path", id="no-path"),
         pytest.param(
             ["--data.source", "cache", "--data.path", "x"], r"--data.source: the toy base trains", id="toy-mix"

@@ -50,6 +50,8 @@ def test_a_finished_run_is_left_untouched_and_says_how_to_train_again(inputs, tm
     assert main(_argv(inputs, out)) == 0
     first = capsys.readouterr().out
     assert "trained to step 2 (--training.steps reached), last loss" in first and "report.md" in first
+    report = (out / "report.md").read_text()
+    assert "\n* converted_layers: blocks." in report  # a list is one line (lists were left out)
     before = _outputs(out)
 
     assert main(_argv(inputs, out)) == 0

@@ -22,7 +22,7 @@ from trainer.data import Batch
 from trainer.distributed import World
 from trainer.presets import ModelPreset, register_preset
 from trainer.toy import data as toy_data
-from trainer.toy.model import TOY_SHIFT, WEIGHTS_FILE, load_toy_base
+from trainer.toy.model import TOY_CONFIG, TOY_SHIFT, WEIGHTS_FILE, load_toy_base
 
 __all__ = ["TOY_PRESET", "ToySource", "card_section", "evaluate_toy"]
 
@@ -97,8 +97,19 @@ def card_section(evaluation: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _largest_size() -> int:
+    """The toy's largest image side: its position table's patches x patch size x the 2x latent downsampling."""
+    return int(TOY_CONFIG["pos_embed_max_size"]) * int(TOY_CONFIG["patch_size"]) * 2
+
+
 def _source(data: DataConfig) -> ToySource:
-    return ToySource(data.toy_samples, size=data.resolution or toy_data.IMAGE_SIZE)
+    size = data.resolution or toy_data.IMAGE_SIZE
+    if not 32 <= size <= _largest_size():
+        raise ValueError(
+            f"--data.resolution: the toy draws 32 to {_largest_size()} px images (multiples of 16); got {size}. "
+            f"0 = its {toy_data.IMAGE_SIZE} px."
+        )
+    return ToySource(data.toy_samples, size=size)
 
 
 TOY_PRESET = register_preset(
