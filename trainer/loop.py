@@ -152,11 +152,11 @@ def train_loop(parts: TrainParts, *, start: Start) -> LoopResult:
             last["throughput(img/s)"] = config.training.batch_size / seconds
             if parts.world.device.type == "cuda":
                 last["memory/max_reserved(GiB)"] = torch.cuda.max_memory_reserved(parts.world.device) / 1024**3
-            if step % config.output.log_every == 0 or step == total:
+            stop = _out_of_time(parts, deadline)
+            if step % config.output.log_every == 0 or step == total or stop:
                 parts.metrics.write(step, last)
             logger.debug("step %d: %s", step, last)
             progress.update(last["loss/total"])
-            stop = _out_of_time(parts, deadline)
             every = config.checkpoint.every
             if (every and step % every == 0) or step == total or stop:
                 trained = start.seconds + time.monotonic() - started

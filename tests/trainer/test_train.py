@@ -217,9 +217,12 @@ def test_a_checkpoint_from_before_the_fastweights_layout_resumes_to_the_same_wei
 
 
 def test_time_budget_stops_checkpoints_and_exports(inputs, tmp_path):
-    config = config_for(inputs, tmp_path, "--training.steps", "50", "--training.max_minutes", "1e-6")
+    config = config_for(
+        inputs, tmp_path, "--training.steps", "50", "--training.max_minutes", "1e-6", "--output.log_every", "10"
+    )
     result = run(config)
     assert (result.step, result.stop_reason) == (1, "time")
+    assert [row["step"] for row in read_metrics(tmp_path / "metrics.jsonl")] == [1]  # the last step is logged
     assert (tmp_path / "checkpoints" / "step-1" / "state.json").is_file()
     assert result.weights.is_file()
 
