@@ -81,15 +81,16 @@ def write_shard(folder: Path, index: int, batch: Batch, *, pixel_wh: tuple[int, 
 
 
 def check_plan(folder: Path, plan: dict[str, Any], world: World) -> None:
-    """Record what the shards of `folder` are planned to hold (rank 0, on the first run) and refuse a
-    folder planned otherwise (collective).
+    """Record what the shards of `folder` are planned to hold (rank 0, while no shard is written, so a run
+    that failed before its first shard, say out of memory, can be retried with other settings) and refuse
+    a folder with shards planned otherwise (collective).
 
     Raises:
         ValueError: on every rank, when the folder's shards were planned for other inputs or settings
             (names each setting that differs).
     """
     path = folder / PLAN
-    if world.is_main and not path.is_file():
+    if world.is_main and not any(folder.glob("shard-*.safetensors")):
         write_text_atomic(path, json.dumps(plan, indent=1))
     world.barrier()
     differ = _differences(json.loads(path.read_text(encoding="utf-8")), plan)

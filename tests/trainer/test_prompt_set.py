@@ -159,3 +159,18 @@ def test_finished_cache_made_with_other_settings_is_refused(pipeline, tmp_path):
     with pytest.raises(ValueError, match=r"\(kind 'prompts' -> 'images', path '' -> '.*images'"):
         _generate(pipeline, cache, source="images", path=str(tmp_path / "images"))
     assert (cache / "manifest.json").read_bytes() == manifest
+
+
+def test_a_cache_that_failed_before_its_first_shard_takes_new_settings(pipeline, tmp_path, monkeypatch):
+    """Out of memory in the first shard: the retry with a smaller --data.shard_size is not refused."""
+    cache = tmp_path / "cache"
+    write_shard = prepare_module.write_shard
+
+    def out_of_memory(*_args, **_kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(prepare_module, "write_shard", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        _generate(pipeline, cache, prompt_limit=2, shard_size=2)
+    monkeypatch.setattr(prepare_module, "write_shard", write_shard)
+    assert _count(CacheSource(_generate(pipeline, cache, prompt_limit=2, shard_size=1))) == 2
