@@ -189,7 +189,7 @@ def plan_memory(
     low = 2 if settings.precision == "bf16" else 4
     shards = settings.world_size if mode == "fsdp2" else 1
     frozen_bytes = 4 if mode == "fsdp2" else low
-    teacher = teacher_params * (4 if mode == "fsdp2" else low) / shards / GIB
+    teacher = teacher_params * low / shards / GIB  # stored in the compute dtype, sharded under FSDP2
     components = {
         "trained weights+grads+AdamW": counts.trained * TRAINED_BYTES / shards / GIB,
         "frozen weights": counts.frozen * frozen_bytes / shards / GIB,
@@ -308,10 +308,11 @@ def plan_run(
     world: World,
     teacher: nn.Module | None,
 ) -> MemoryPlan:
-    """`check_plan` for a built run: its largest bucket, batch per rank and teacher, against
-    `--parallel.gpu_memory_gib` or else this machine's GPU (a CPU run has no budget to check)."""
+    """`check_plan` for a built run: its largest bucket that trains (holds a full batch), batch per rank and
+    teacher, against `--parallel.gpu_memory_gib` or else this machine's GPU (a CPU run has no budget to check)."""
     patch = handle.model.config.patch_size
-    latent_h, latent_w = max(plan.buckets, key=lambda hw: hw[0] * hw[1])
+    trained = [hw for hw, indices in plan.buckets.items() if len(indices) >= plan.batch_size]  # the others never train
+    latent_h, latent_w = max(trained, key=lambda hw: hw[0] * hw[1])
     sample = source.load([plan.buckets[(latent_h, latent_w)][0]])
     shape = run_shape(
         handle.arch,
