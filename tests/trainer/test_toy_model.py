@@ -144,3 +144,24 @@ def test_sampler_runs_linearized_and_undo_restores(teacher):
 def test_sample_rejects_batch_mismatch(teacher):
     with pytest.raises(ValueError, match="one caption per sample"):
         sample(teacher, ToyCond.from_captions(["small red circle center"]), torch.randn(2, 16, 8, 8), steps=1)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        pytest.param(["--lr", "0"], "--lr must be positive; got 0.0", id="lr"),
+        pytest.param(["--warmup", "-1"], "--warmup must not be negative; got -1", id="warmup"),
+        pytest.param(["--eval-count", "0"], "--eval-count must be at least 1; got 0", id="eval-count"),
+        pytest.param(["--drop-text", "1"], "--drop-text must be in [0, 1); got 1.0", id="drop-text"),
+    ],
+)
+def test_pretrain_refuses_a_bad_flag_before_training(tmp_path, capsys, flags, message):
+    """Named by the script's own flag (not the trainer's --optim.*), before the 30-minute training and
+    before anything is written (a zero --eval-count used to fail after overwriting the weights)."""
+    from trainer.toy.pretrain import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*flags, "--out", str(tmp_path / "teacher.safetensors")])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

@@ -71,12 +71,24 @@ class PretrainConfig:
     """Guidance scale for ToyEval."""
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.batch_size < 1:
-            raise ValueError(f"--steps and --batch-size must be positive; got {self.steps} and {self.batch_size}.")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"--dtype must be one of {tuple(_DTYPES)}; got {self.dtype!r}.")
-        if not 0.0 <= self.ema < 1.0:
-            raise ValueError(f"--ema must be in [0, 1); got {self.ema}.")
+        """Every flag is checked before training (a bad one would otherwise surface after it, or name
+        the trainer's `--optim.*` flag)."""
+        checks = {
+            "--steps": (self.steps >= 1, "must be at least 1"),
+            "--batch-size": (self.batch_size >= 1, "must be at least 1"),
+            "--lr": (self.lr > 0, "must be positive"),
+            "--warmup": (self.warmup >= 0, "must not be negative"),
+            "--ema": (0.0 <= self.ema < 1.0, "must be in [0, 1)"),
+            "--drop-text": (0.0 <= self.drop_text < 1.0, "must be in [0, 1)"),
+            "--dtype": (self.dtype in _DTYPES, f"must be one of {tuple(_DTYPES)}"),
+            "--eval-count": (self.eval_count >= 1, "must be at least 1"),
+            "--eval-steps": (self.eval_steps >= 1, "must be at least 1"),
+            "--eval-cfg": (self.eval_cfg >= 0, "must not be negative"),
+        }
+        for flag, (ok, rule) in checks.items():
+            if not ok:
+                value = getattr(self, flag.removeprefix("--").replace("-", "_"))
+                raise ValueError(f"{flag} {rule}; got {value!r}.")
 
 
 def train_teacher(cfg: PretrainConfig, *, progress: bool = True):
@@ -156,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     given = vars(parser.parse_args(argv))
     out, record_only = given.pop("out"), given.pop("record_only")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = PretrainConfig(**given)
+    try:
+        cfg = PretrainConfig(**given)
+    except ValueError as error:
+        parser.error(str(error))
     if record_only:
         previous = load_toy_record(out.with_suffix(".json"))
         evaluation = {k: v for k, v in asdict(cfg).items() if k.startswith("eval_")}
