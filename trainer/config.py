@@ -349,6 +349,11 @@ class OutputConfig:
     def __post_init__(self) -> None:
         _require(bool(self.dir), "output.dir", "must not be empty.")
         _require(self.name.endswith(".safetensors"), "output.name", f"must end in .safetensors; got {self.name!r}.")
+        _require(
+            "/" not in self.name and "\\" not in self.name,
+            "output.name",
+            f"is a file name, not a path (the folder is --output.dir); got {self.name!r}.",
+        )
         _require(self.log_every >= 1, "output.log_every", "must be at least 1.")
         _require(self.toy_eval_samples >= 0, "output.toy_eval_samples", "must not be negative.")
         _require(

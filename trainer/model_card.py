@@ -99,7 +99,10 @@ def _recipe_section(config: TrainConfig, report: Mapping[str, Any]) -> list[str]
         ("trainable", config.model.trainable),
         ("data", config.data.source),
         ("lr of new T5 parameters", optim.lr * optim.new_lr_mult),
-        ("lr of inherited parameters", optim.lr * optim.inherited_lr_mult),
+        (
+            "lr of inherited parameters",
+            optim.lr * optim.inherited_lr_mult if config.model.trainable != "t5" else "frozen",
+        ),
         ("schedule", f"{optim.warmup_steps} warm-up steps, then {optim.schedule}"),
         ("steps", training.steps),
         ("global batch", training.batch_size),

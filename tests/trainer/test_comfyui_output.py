@@ -4,6 +4,7 @@ training, and the card says what the file was made from, how, and how to use it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 
@@ -126,6 +127,9 @@ def test_the_model_card_says_what_the_file_is_and_how_to_use_it():
     assert "| layer spec (`--model.layers`) | `joint:0-1` |" in card
     assert "Converted attention modules (2): `blocks.0.attn`, `blocks.0.attn2`." in card
     assert "| trainable | `attention` |" in card and "| lr of new T5 parameters | `0.004` |" in card
+    assert "| lr of inherited parameters | `0.0002` |" in card
+    frozen = dataclasses.replace(config, model=dataclasses.replace(config.model, trainable="t5"))
+    assert "| lr of inherited parameters | `frozen` |" in model_card(frozen, _report(), weights_name="x.safetensors")
     assert "| precision | `bf16` |" in card and "| steps | `9` |" in card and "| processes | `2 (ddp)` |" in card
     assert "[training]\nbatch_size = 16\nsteps = 9\n" in card  # the resolved config, whole
     assert "Trained to step 7; stopped: `--training.max_minutes` spent." in card

@@ -97,6 +97,9 @@ def test_bad_config_file_names_the_problem(tmp_path, toml, error, match):
         ),
         pytest.param(["--optim.min_lr_ratio", "1.5"], r"--optim.min_lr_ratio: must be in \[0, 1\]", id="lr-floor"),
         pytest.param(["--output.name", "t5.pt"], r"--output.name: must end in .safetensors", id="name"),
+        pytest.param(
+            ["--output.name", "../t5.safetensors"], r"--output.name: is a file name, not a path", id="name-path"
+        ),
         pytest.param(["--model.neighborhood", "4"], r"--model.neighborhood: must be 0 \(off\) or an odd", id="even-na"),
     ],
 )
