@@ -33,8 +33,9 @@ class Batch:
     context: Tensor
     pooled: Tensor
 
-    def to(self, device: torch.device, dtype: torch.dtype = torch.float32) -> Batch:
-        return Batch(*(t.to(device=device, dtype=dtype) for t in (self.latents, self.context, self.pooled)))
+    def to(self, device: torch.device) -> Batch:
+        """This batch on `device`, in float32."""
+        return Batch(*(t.to(device=device, dtype=torch.float32) for t in (self.latents, self.context, self.pooled)))
 
     def __len__(self) -> int:
         return self.latents.shape[0]
