@@ -26,17 +26,14 @@ class World:
     """This process's place in the run.
 
     Attributes:
-        rank, world_size, local_rank: as torchrun sets them (0, 1, 0 for a single process).
+        rank, world_size: as torchrun sets them (0, 1 for a single process).
         device: the device this rank trains on.
-        backend: the process-group backend (`nccl` or `gloo`).
         owns_group: whether this run created the process group (and so destroys it).
     """
 
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
-    backend: str
     owns_group: bool
 
     @property
@@ -89,10 +86,8 @@ def init_world(config: ParallelConfig) -> World:
     world = World(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
-        local_rank=local_rank,
         device=device,
-        backend=dist.get_backend(),
         owns_group=owns_group,
     )
-    logger.info("Distributed: rank %d of %d on %s (%s)", world.rank, world.world_size, device, world.backend)
+    logger.info("Distributed: rank %d of %d on %s (%s)", world.rank, world.world_size, device, dist.get_backend())
     return world
