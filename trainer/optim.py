@@ -29,7 +29,7 @@ def build_optimizer(model: nn.Module, split: ParamSplit, config: OptimConfig) ->
     """AdamW over the trainable parameters of `model` (wrapped or not), grouped by role.
 
     Group `new` runs at `lr * new_lr_mult`, group `inherited` at `lr * inherited_lr_mult`; each group
-    records its `name` and `lr_mult`. Groups without parameters are left out.
+    records its `name`. Groups without parameters are left out.
     """
     roles = {name: "new" for name in split.new} | {name: "inherited" for name in split.inherited}
     grouped: dict[str, list[nn.Parameter]] = {"new": [], "inherited": []}
@@ -39,7 +39,7 @@ def build_optimizer(model: nn.Module, split: ParamSplit, config: OptimConfig) ->
             grouped[role].append(param)
     multipliers = {"new": config.new_lr_mult, "inherited": config.inherited_lr_mult}
     groups = [
-        {"params": params, "name": role, "lr_mult": multipliers[role], "lr": config.lr * multipliers[role]}
+        {"params": params, "name": role, "lr": config.lr * multipliers[role]}
         for role, params in grouped.items()
         if params
     ]
