@@ -146,7 +146,6 @@ class MemoryPlan:
 
     components: dict[str, float]
     budget_gib: float | None
-    settings: PlanSettings
     load_gib: float = 0.0
     time: TimeEstimate | None = None
 
@@ -210,7 +209,7 @@ def plan_memory(
     components["runtime margin"] = runtime_margin_gib
     # The trainer moves the whole fp32 student (and the teacher) to the device before casting or sharding.
     load = ((counts.trained + counts.frozen + counts.buffers) * 4 + teacher_params * low) / GIB + runtime_margin_gib
-    return MemoryPlan(components, budget_gib, settings, load_gib=load)
+    return MemoryPlan(components, budget_gib, load_gib=load)
 
 
 _FIXES = (
