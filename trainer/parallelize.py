@@ -28,11 +28,8 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     logger.info("Applied activation checkpointing to %d transformer blocks", len(model.transformer_blocks))
 
 
-def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
-    """Keep frozen parameters in `dtype` (bf16 halves their memory; autocast computes in bf16 anyway).
-
-    Returns the number of parameters cast.
-    """
+def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Keep frozen parameters in `dtype` (bf16 halves their memory; autocast computes in bf16 anyway)."""
     count = 0
     for param in model.parameters():
         if not param.requires_grad and param.dtype != dtype:
@@ -40,7 +37,6 @@ def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> int:
             count += param.numel()
     if count:
         logger.info("Applied %s storage to %.2fM frozen parameters", str(dtype).removeprefix("torch."), count / 1e6)
-    return count
 
 
 def apply_ddp(model: nn.Module, world: World) -> DistributedDataParallel:
