@@ -295,6 +295,11 @@ class TrainingConfig:
         """The compute dtype of `precision`: bfloat16 (autocast, FSDP2 parameters, frozen copies) or float32."""
         return torch.bfloat16 if self.precision == "bf16" else torch.float32
 
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """bfloat16 under bf16 precision (autocast, FSDP2 compute parameters, frozen weights), else None."""
+        return torch.bfloat16 if self.precision == "bf16" else None
+
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:

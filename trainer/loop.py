@@ -60,8 +60,9 @@ class LoopResult:
 
 
 def _autocast(parts: TrainParts) -> contextlib.AbstractContextManager:
-    if parts.config.training.precision == "bf16":
-        return torch.autocast(parts.world.device.type, dtype=parts.config.training.dtype)
+    dtype = parts.config.training.autocast_dtype
+    if dtype is not None:
+        return torch.autocast(parts.world.device.type, dtype=dtype)
     return contextlib.nullcontext()
 
 

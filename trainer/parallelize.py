@@ -81,7 +81,7 @@ def parallelize(student: nn.Module, teacher: nn.Module | None, *, config: TrainC
         teacher.to(world.device)
     if config.training.gradient_checkpointing:
         apply_activation_checkpointing(student)
-    bf16 = config.training.dtype if config.training.precision == "bf16" else None
+    bf16 = config.training.autocast_dtype
     if config.parallel.mode == "ddp":
         if bf16 is not None:
             store_frozen_in(student, bf16)
