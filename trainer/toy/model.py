@@ -86,21 +86,19 @@ def toy_arch() -> BaseArch:
     )
 
 
-def build_toy_model(*, seed: int = 0, dtype: torch.dtype = torch.float32) -> SD3Transformer2DModel:
+def build_toy_model(*, seed: int = 0) -> SD3Transformer2DModel:
     """A freshly initialised toy `SD3Transformer2DModel` (what pretraining starts from)."""
     from diffusers import SD3Transformer2DModel
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = SD3Transformer2DModel(**TOY_CONFIG)
-    return model if dtype == torch.float32 else model.to(dtype)
+        return SD3Transformer2DModel(**TOY_CONFIG)
 
 
-def load_toy_base(*, dtype: torch.dtype = torch.float32, path: Path | str = WEIGHTS_FILE) -> SD3Transformer2DModel:
+def load_toy_base(*, path: Path | str = WEIGHTS_FILE) -> SD3Transformer2DModel:
     """Load the shipped softmax teacher into a diffusers `SD3Transformer2DModel` (eval mode).
 
     Args:
-        dtype (`torch.dtype`, *optional*, defaults to float32): parameter dtype.
         path (`Path | str`, *optional*): an SD3-named toy checkpoint; defaults to the shipped one.
 
     Raises:
@@ -114,8 +112,6 @@ def load_toy_base(*, dtype: torch.dtype = torch.float32, path: Path | str = WEIG
     state = sd3_to_diffusers(load_file(str(path)), toy_arch())
     model = build_toy_model()
     model.load_state_dict(state, strict=True)
-    if dtype != torch.float32:
-        model = model.to(dtype)
     return model.eval().requires_grad_(False)
 
 
