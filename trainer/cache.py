@@ -48,6 +48,8 @@ CACHE_FORMAT = "t5-trainer-cache/1"
 MANIFEST = "manifest.json"
 UNCOND = "uncond.safetensors"
 PLAN = "plan.json"
+_TENSORS = ("latents", "context", "pooled")
+"""The tensors of a shard (and of the uncond file), in `Batch`'s field order."""
 _OPEN_SHARDS = 4
 """Shards kept in memory by a reader (a global batch comes from one bucket, so one is usually enough)."""
 
@@ -58,8 +60,7 @@ def shard_name(index: int) -> str:
 
 def write_tensors(path: Path, batch: Batch, *, metadata: dict[str, str] | None = None) -> None:
     """Write one shard (or the uncond file) atomically."""
-    tensors = {"latents": batch.latents, "context": batch.context, "pooled": batch.pooled}
-    contiguous = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    contiguous = {key: getattr(batch, key).detach().to("cpu").contiguous() for key in _TENSORS}
     write_atomic(path, lambda temp: save_file(contiguous, temp, metadata=metadata))
 
 
@@ -197,7 +198,7 @@ class CacheSource:
             if len(self._open) >= _OPEN_SHARDS:
                 self._open.pop(next(iter(self._open)))
             with safe_open(str(self.folder / file), framework="pt") as handle:
-                self._open[file] = {key: handle.get_tensor(key) for key in ("latents", "context", "pooled")}
+                self._open[file] = {key: handle.get_tensor(key) for key in _TENSORS}
         return self._open[file]
 
     def _locate(self, index: int) -> tuple[str, int]:
@@ -208,12 +209,12 @@ class CacheSource:
 
     def load(self, indices: list[int]) -> Batch:
         rows = [self._locate(index) for index in indices]
-        picked = {key: [] for key in ("latents", "context", "pooled")}
+        picked = {key: [] for key in _TENSORS}
         for file, row in rows:
             tensors = self._read(file)
             for key in picked:
                 picked[key].append(tensors[key][row])
-        return Batch(*(torch.stack(picked[key]).float() for key in ("latents", "context", "pooled")))
+        return Batch(*(torch.stack(picked[key]).float() for key in _TENSORS))
 
     def uncond(self) -> tuple[Tensor, Tensor]:
         tensors = self._read(UNCOND)
