@@ -50,6 +50,19 @@ def _check(images: Tensor, teacher_images: Tensor) -> None:
         )
 
 
+def _token_grid(images: Tensor, token_px: int) -> tuple[int, int]:
+    """The `(H, W)` of `images`, checked to be multiples of `token_px`."""
+    height, width = images.shape[-2:]
+    if height % token_px or width % token_px:
+        raise ValueError(f"image size {height}x{width} is not a multiple of the token size {token_px}.")
+    return height, width
+
+
+def _masked_mean(images: Tensor, mask: Tensor) -> float:
+    """Mean of `images` over `mask`; 0.0 where the mask is empty."""
+    return images.float()[mask].mean().item() if mask.any() else 0.0
+
+
 def background_level(images: Tensor, teacher_images: Tensor) -> float:
     """Mean level of `images` (in [0, 1]) over the pixels where `teacher_images` is black.
 
@@ -57,8 +70,7 @@ def background_level(images: Tensor, teacher_images: Tensor) -> float:
     """
     _check(images, teacher_images)
     black = teacher_images.float().amax(dim=1, keepdim=True) < BLACK
-    mask = black.expand_as(images)
-    return images.float()[mask].mean().item() if mask.any() else 0.0
+    return _masked_mean(images, black.expand_as(images))
 
 
 def _open_mask(images: Tensor, teacher_images: Tensor, margin: int) -> Tensor:
@@ -74,8 +86,7 @@ def _open_mask(images: Tensor, teacher_images: Tensor, margin: int) -> Tensor:
 def open_background_level(images: Tensor, teacher_images: Tensor, *, margin: int = 2) -> float:
     """Mean level of `images` over the teacher's black pixels more than `margin` pixels (Chebyshev
     distance) from an object pixel (ToyEval's foreground) of either image; 0.0 where no such pixel exists."""
-    mask = _open_mask(images, teacher_images, margin)
-    return images.float()[mask].mean().item() if mask.any() else 0.0
+    return _masked_mean(images, _open_mask(images, teacher_images, margin))
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +120,7 @@ def background_error(
         A `BackgroundError`; all zeros where no open background exists.
     """
     mask = _open_mask(raw_images.clamp(0.0, 1.0), teacher_images, margin)
-    height, width = raw_images.shape[-2:]
-    if height % token_px or width % token_px:
-        raise ValueError(f"image size {height}x{width} is not a multiple of the token size {token_px}.")
+    height, width = _token_grid(raw_images, token_px)
     if not mask.any():
         return BackgroundError(0.0, 0.0, 0.0, 0.0)
     raw = raw_images.float()
@@ -142,9 +151,7 @@ def token_period_energy(images: Tensor, teacher_images: Tensor, *, token_px: int
         A fraction in [0, 1]; white residual gives about `(token_px**2 - 1) / (H * W)`.
     """
     _check(images, teacher_images)
-    height, width = images.shape[-2:]
-    if height % token_px or width % token_px:
-        raise ValueError(f"image size {height}x{width} is not a multiple of the token size {token_px}.")
+    height, width = _token_grid(images, token_px)
     residual = images.float() - teacher_images.float()
     residual = residual - residual.mean(dim=(-2, -1), keepdim=True)
     power = torch.fft.fft2(residual).abs().square().sum(dim=(0, 1))  # (H, W)
