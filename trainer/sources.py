@@ -143,7 +143,7 @@ def local_base(config: ModelConfig, *, pipeline: bool = False) -> Path:
             f"no checkpoint {path.name} in {path.parent} (it holds: {', '.join(found) or 'nothing'}). Put the SD3 / "
             "SD3.5 checkpoint there, or name one with --model.base."
         )
-    if _REPO_ID.match(config.base) and not config.base.startswith((".", "~")):
+    if _REPO_ID.match(config.base):
         patterns = _TRANSFORMER_FILES + (_PIPELINE_FILES if pipeline else ())
         return _download(config.base, config.revision, patterns)
     raise FileNotFoundError(
