@@ -125,6 +125,23 @@ def test_shipped_recipes_parse(name, mode):
     assert config.optim.new_lr_mult == 10.0 and config.optim.inherited_lr_mult == 0.1
 
 
+def test_the_toy_full_linear_recipe_is_the_measured_one():
+    """trainer/configs/toy_all_hybrid.toml is the recipe of ablations_1800_480.json: the toy's defaults with
+    every module converted, hybrid joint attention and 480 steps."""
+    import json
+
+    from trainer.model import CONFIGS_DIR
+
+    config = parse_args(["--config", str(CONFIGS_DIR.parent / "toy_all_hybrid.toml")])
+    assert (config.model.base, config.model.layers, config.model.joint_mode) == ("toy", "all", "hybrid")
+    results = CONFIGS_DIR.parents[2] / "benchmarks" / "results" / "ablations_1800_480.json"
+    budget = json.loads(results.read_text())["meta"]["budget"]
+    assert config.training.steps == budget["steps"] and config.training.batch_size == budget["batch_size"]
+    assert config.data.caption_dropout == budget["caption_dropout"]
+    optim = {name: getattr(config.optim, name) for name in budget["optim"]}
+    assert optim == budget["optim"]
+
+
 def test_a_config_is_built_without_the_rest_of_the_trainer():
     code = (
         "import sys; from trainer.config import DataConfig, TrainConfig;"
