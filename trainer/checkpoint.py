@@ -288,11 +288,12 @@ def resume_path(config: TrainConfig, checkpoints: CheckpointManager) -> Path | N
     """The checkpoint to continue from, None to start fresh, as `--checkpoint.resume` says; a checkpoint's
     settings are checked here, before anything is loaded or built.
 
-    A finished run (its last step checkpointed) is continued, with no step left to train, only when its
-    weights file is missing: its export did not complete, and continuing writes it.
+    A finished run (its last step checkpointed, or its time budget spent) is continued, with no step left
+    to train, only when its weights file is missing: its export did not complete, and continuing writes it.
 
     Raises:
-        RunAlreadyFinished: `auto`, and the newest checkpoint is the last step and the weights file exists.
+        RunAlreadyFinished: `auto`, the newest checkpoint is the last step or spent `--training.max_minutes`,
+            and the weights file exists.
         ValueError: `auto`, and the newest checkpoint is past `--training.steps`; or the checkpoint was
             trained with other settings (`_RESUME_KEYS`).
         FileExistsError: `never`, and the folder holds an earlier run's checkpoints.
@@ -320,7 +321,7 @@ def _chosen_checkpoint(config: TrainConfig, checkpoints: CheckpointManager) -> P
         return Path(mode).expanduser()
     if not steps:
         return None
-    finished = _finished(config, checkpoints.folder / f"step-{steps[-1]}", steps[-1])
+    finished = _finished(config, checkpoints.latest(), steps[-1])
     weights = Path(config.output.dir).expanduser() / config.output.name
     if finished and weights.is_file():
         raise RunAlreadyFinished(
