@@ -5,11 +5,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import safetensors.torch
+import torch
 
+from trainer.cli import parse_args
+from trainer.config import TrainingConfig
 from trainer.presets import get_preset, preset_data_sources, register_preset
+from trainer.toy import preset, report
 
 
 def test_the_toy_is_a_registered_preset_with_its_own_data():
@@ -45,3 +50,21 @@ def test_a_name_can_be_registered_once():
     with pytest.raises(ValueError, match="a model preset named 'toy' is already registered"):
         register_preset(replace(toy, description="another toy"))
     assert get_preset("toy") is toy
+
+
+def test_toy_evaluation_samples_an_fp32_copy_whenever_the_config_autocasts(monkeypatch, tmp_path):
+    # The rule has one owner, `TrainingConfig.autocast_dtype`; the evaluation must follow it, not the flag.
+    monkeypatch.setattr(TrainingConfig, "autocast_dtype", property(lambda self: torch.bfloat16))
+    sampled = []
+
+    def stop(teacher, student, **kwargs):
+        sampled.append(student)
+        raise InterruptedError
+
+    monkeypatch.setattr(report, "compare", stop)
+    student = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    world = SimpleNamespace(is_main=True, world_size=1, device=torch.device("cpu"))
+    config = parse_args(["--output.toy_eval_samples", "2", "--output.dir", str(tmp_path)])
+    with pytest.raises(InterruptedError):
+        preset.evaluate_toy(student, config, tmp_path, world)
+    assert sampled[0].weight.dtype == torch.float32 and student.weight.dtype == torch.bfloat16

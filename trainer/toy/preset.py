@@ -68,7 +68,7 @@ def evaluate_toy(student: nn.Module, config: TrainConfig, output: Path, world: W
         return None
     from trainer.toy.report import compare, comparison_table, write_grid
 
-    if config.training.precision == "bf16":  # frozen weights are held in bf16: sample an fp32 copy
+    if config.training.autocast_dtype is not None:  # frozen weights are held in bf16: sample an fp32 copy
         student = copy.deepcopy(student).float()
     student.eval()
     comparison = compare(load_toy_base().to(world.device), student, count=samples, progress=config.output.progress)
