@@ -37,7 +37,7 @@ from trainer.config import TrainConfig
 from trainer.distributed import World
 from trainer.optim import strip_wrapper_prefix
 
-__all__ = ["CheckpointManager", "RunAlreadyFinished", "Start", "resume_from", "resume_path"]
+__all__ = ["CheckpointManager", "Resume", "RunAlreadyFinished", "Start", "resume_from", "resume_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -243,9 +243,9 @@ class CheckpointManager:
         for old in self.steps()[: -self.keep]:
             shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
 
-    def load(self, path: str | Path) -> Start:
+    def load(self, path: str | Path, *, state: dict[str, Any] | None = None) -> Start:
         """Restore a checkpoint into the tracked model, optimizer and scheduler, and the RNG (collective);
-        returns where training continues.
+        returns where training continues. `state` is its `state.json` when already read (`resume_path`).
 
         Each rank restores its own RNG when the world size is unchanged (otherwise the rank seeds of
         the new world stay in force, with a warning).
@@ -254,7 +254,7 @@ class CheckpointManager:
             FileNotFoundError: `path` is not a complete checkpoint.
         """
         path = Path(path)
-        state = _read_state(path)
+        state = _read_state(path) if state is None else state
         # Every rank reads the full trained state and keeps its part. (broadcast_from_rank0 would spare
         # the other ranks the read, but it deadlocks under FSDP2 with gloo in torch 2.14.)
         model_state = load_file(str(path / "model.safetensors"))
@@ -270,7 +270,7 @@ class CheckpointManager:
             optim_state_dict=optim_state,
             options=StateDictOptions(full_state_dict=True, strict=False),
         )
-        self.scheduler.load_state_dict(state.pop("scheduler"))
+        self.scheduler.load_state_dict(state["scheduler"])
         rng_file = path / f"rng-{self.world.rank}.pt"
         if state.get("world_size") == self.world.world_size and rng_file.is_file():
             _set_rng_state(torch.load(rng_file, weights_only=True))
@@ -284,7 +284,15 @@ class RunAlreadyFinished(Exception):
     """`--checkpoint.resume auto` found a finished run in the output folder and left it untouched."""
 
 
-def resume_path(config: TrainConfig, checkpoints: CheckpointManager) -> Path | None:
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """The checkpoint a run continues from: its folder and its `state.json`, read once."""
+
+    path: Path
+    state: dict[str, Any]
+
+
+def resume_path(config: TrainConfig, checkpoints: CheckpointManager) -> Resume | None:
     """The checkpoint to continue from, None to start fresh, as `--checkpoint.resume` says; a checkpoint's
     settings are checked here, before anything is loaded or built.
 
@@ -299,53 +307,45 @@ def resume_path(config: TrainConfig, checkpoints: CheckpointManager) -> Path | N
         FileExistsError: `never`, and the folder holds an earlier run's checkpoints.
         FileNotFoundError: a checkpoint folder was given that is not a complete checkpoint.
     """
-    path = _chosen_checkpoint(config, checkpoints)
-    if path is not None:
-        _check_resume_config(_read_state(path)["config"], config)
-    return path
-
-
-def _chosen_checkpoint(config: TrainConfig, checkpoints: CheckpointManager) -> Path | None:
-    mode, steps, wanted = config.checkpoint.resume, checkpoints.steps(), config.training.steps
-    if mode == "force":
+    mode, steps = config.checkpoint.resume, checkpoints.steps()
+    if mode == "force" or (mode in ("auto", "never") and not steps):
         return None
     if mode == "never":
-        if steps:
-            raise FileExistsError(
-                f"{checkpoints.folder} holds checkpoints of an earlier run (steps {steps}). Pass "
-                "--checkpoint.resume auto to continue it, force to train again from the start, or choose another "
-                "--output.dir."
+        raise FileExistsError(
+            f"{checkpoints.folder} holds checkpoints of an earlier run (steps {steps}). Pass "
+            "--checkpoint.resume auto to continue it, force to train again from the start, or choose another "
+            "--output.dir."
+        )
+    path = Path(mode).expanduser() if mode != "auto" else checkpoints.latest()
+    chosen = Resume(path, _read_state(path))
+    if mode == "auto":
+        wanted = config.training.steps
+        finished = _finished(config, chosen.state, steps[-1])
+        weights = Path(config.output.dir).expanduser() / config.output.name
+        if finished and weights.is_file():
+            raise RunAlreadyFinished(
+                f"{checkpoints.folder.parent} holds a finished run ({finished}); nothing was changed. To train again "
+                "from the start pass --checkpoint.resume force, to train longer raise --training.steps or "
+                "--training.max_minutes, or choose another --output.dir."
             )
-        return None
-    if mode != "auto":
-        return Path(mode).expanduser()
-    if not steps:
-        return None
-    finished = _finished(config, checkpoints.latest(), steps[-1])
-    weights = Path(config.output.dir).expanduser() / config.output.name
-    if finished and weights.is_file():
-        raise RunAlreadyFinished(
-            f"{checkpoints.folder.parent} holds a finished run ({finished}); nothing was changed. To train again "
-            "from the start pass --checkpoint.resume force, to train longer raise --training.steps or "
-            "--training.max_minutes, or choose another --output.dir."
-        )
-    if finished:
-        logger.info("Checkpoint: the run is finished (%s), but %s is missing; exporting it", finished, weights)
-    if steps[-1] > wanted:
-        raise ValueError(
-            f"{checkpoints.folder} holds a checkpoint at step {steps[-1]}, past --training.steps {wanted}; nothing "
-            "was changed. Raise --training.steps to at least that, pass --checkpoint.resume force to train again from "
-            "the start, or choose another --output.dir."
-        )
-    return checkpoints.latest()
+        if finished:
+            logger.info("Checkpoint: the run is finished (%s), but %s is missing; exporting it", finished, weights)
+        if steps[-1] > wanted:
+            raise ValueError(
+                f"{checkpoints.folder} holds a checkpoint at step {steps[-1]}, past --training.steps {wanted}; "
+                "nothing was changed. Raise --training.steps to at least that, pass --checkpoint.resume force to "
+                "train again from the start, or choose another --output.dir."
+            )
+    _check_resume_config(chosen.state["config"], config)
+    return chosen
 
 
-def _finished(config: TrainConfig, newest: Path, step: int) -> str:
-    """Why the run whose newest checkpoint is `newest` (at `step`) has nothing left to train, or ""."""
+def _finished(config: TrainConfig, state: dict[str, Any], step: int) -> str:
+    """Why the run whose newest checkpoint (`state`, at `step`) has nothing left to train, or ""."""
     wanted, minutes = config.training.steps, config.training.max_minutes
     if step == wanted:
         return f"step {wanted} of {wanted}"
-    spent = _trained_seconds(_read_state(newest))
+    spent = _trained_seconds(state)
     if minutes and spent >= minutes * 60:
         return f"its --training.max_minutes {minutes:g} was spent at step {step} of {wanted}"
     return ""
@@ -367,7 +367,7 @@ def _check_resume_config(saved_text: str, config: TrainConfig) -> None:
         )
 
 
-def resume_from(path: Path | None, checkpoints: CheckpointManager) -> Start:
-    """Load `path` (from `resume_path`, which checked its settings; None: a fresh start) into what `checkpoints`
+def resume_from(resume: Resume | None, checkpoints: CheckpointManager) -> Start:
+    """Load `resume` (from `resume_path`, which checked its settings; None: a fresh start) into what `checkpoints`
     tracks; returns where training continues."""
-    return Start() if path is None else checkpoints.load(path)
+    return Start() if resume is None else checkpoints.load(resume.path, state=resume.state)
