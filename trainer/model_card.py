@@ -19,10 +19,11 @@ from trainer.config import ModelConfig, TrainConfig
 from trainer.model import base_weight_files
 from trainer.presets import ModelPreset, get_preset
 
-__all__ = ["RUN_CARD", "base_digests", "card_name", "model_card", "sha256_file"]
+__all__ = ["RUN_CARD", "base_digests", "card_name", "check_run_card", "model_card", "sha256_file"]
 
 RUN_CARD = "README.md"
 """The card's name in `<output.dir>`."""
+_TITLE = "# T5 attention weights: "
 _CHUNK = 1 << 24
 _STOPS = {"steps": "`--training.steps` reached", "time": "`--training.max_minutes` spent"}
 
@@ -30,6 +31,21 @@ _STOPS = {"steps": "`--training.steps` reached", "time": "`--training.max_minute
 def card_name(weights_name: str) -> str:
     """The card's name beside the weights file in a shared folder: `t5_large.safetensors` -> `t5_large.md`."""
     return f"{Path(weights_name).stem}.md"
+
+
+def check_run_card(folder: Path) -> None:
+    """Refuse, before training, a run folder whose `README.md` is not an earlier run's model card (the user's
+    own README, as in `--output.dir .`), which the card would overwrite.
+
+    Raises:
+        FileExistsError: `<folder>/README.md` exists and is not a model card.
+    """
+    card = folder / RUN_CARD
+    if card.is_file() and not card.read_text(encoding="utf-8", errors="replace").startswith(_TITLE):
+        raise FileExistsError(
+            f"{card} exists and is not a model card of an earlier run; the run writes its model card there, so "
+            "nothing was trained. Give the run a folder of its own with --output.dir, or move that file away."
+        )
 
 
 def sha256_file(path: str | Path) -> str:
@@ -180,7 +196,7 @@ def model_card(config: TrainConfig, report: Mapping[str, Any], *, weights_name: 
         The card text, ending in a newline.
     """
     title = [
-        f"# T5 attention weights: `{weights_name}`",
+        f"{_TITLE}`{weights_name}`",
         "",
         "Trained T5 (linear-time test-time-training) attention for an SD3-family model, made by "
         "`trainer/run.py` of T5 Linearize (arXiv 2605.02772). Load it with the T5 Linearize node.",

@@ -33,6 +33,7 @@ from trainer.losses import AttentionCapture
 from trainer.memory import plan_run
 from trainer.metrics import MetricsWriter
 from trainer.model import ParamSplit, build_model, load_base, make_teacher
+from trainer.model_card import check_run_card
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import parallelize
 from trainer.presets import check_config, get_preset
@@ -63,7 +64,8 @@ class RunResult(LoopResult):
 
 def _check_outputs(config: TrainConfig, output: Path) -> tuple[ComfyTarget | None, HubTarget | None]:
     """Before anything expensive (rank 0 work: run it through `_on_main`): the ComfyUI folder and the Hub repo
-    can take the results (`comfyui_target`, `hub_target`), and the output folder exists and is writable.
+    can take the results (`comfyui_target`, `hub_target`), the output folder exists and is writable, and its
+    `README.md` is free for the model card (`check_run_card`).
 
     Returns:
         The ComfyUI and Hub targets (None where not asked for).
@@ -79,6 +81,7 @@ def _check_outputs(config: TrainConfig, output: Path) -> tuple[ComfyTarget | Non
             f"output folder {output} is not writable ({error}). Choose another --output.dir "
             "or fix its permissions; nothing in it was changed."
         ) from error
+    check_run_card(output)
     return targets
 
 

@@ -128,6 +128,18 @@ def test_failed_runs_keep_the_earlier_checkpoints(inputs, tmp_path):
     assert after == before
 
 
+def test_a_project_readme_in_the_output_folder_is_refused_before_training(inputs, tmp_path):
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "README.md").write_text("# My project\n")
+    with pytest.raises(FileExistsError, match=r"README.md exists and is not a model card .* folder of its own"):
+        run(flags(inputs, out))
+    assert (out / "README.md").read_text() == "# My project\n"
+    assert sorted(path.name for path in out.iterdir()) == ["README.md"]
+    run(flags(inputs, tmp_path / "run"))  # the run's own card is replaced when it trains again
+    run(flags(inputs, tmp_path / "run", "--checkpoint.resume", "force"))
+
+
 def test_checkpoint_write_failure_keeps_earlier_checkpoints(tmp_path):
     world = init_world(ParallelConfig(device="cpu"))
     try:
