@@ -16,6 +16,7 @@ from trainer.toy.model import (
     WEIGHTS_DIR,
     WEIGHTS_FILE,
     ToyCond,
+    build_toy_model,
     load_toy_base,
     load_toy_record,
     sample,
@@ -165,3 +166,22 @@ def test_pretrain_refuses_a_bad_flag_before_training(tmp_path, capsys, flags, me
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_the_teacher_record_draws_its_evaluation_set_once(tmp_path, monkeypatch):
+    from trainer.toy import eval as toy_eval_module
+    from trainer.toy import pretrain
+
+    drawn = []
+
+    def counted(count, **kwargs):
+        drawn.append((count, kwargs))
+        return eval_set(count, **kwargs)
+
+    monkeypatch.setattr(toy_eval_module, "eval_set", counted)
+    monkeypatch.setattr(pretrain, "eval_set", counted)
+    cfg = PretrainConfig(eval_count=3, eval_steps=1)
+    path = pretrain.export_teacher(build_toy_model(seed=0), tmp_path / "teacher.safetensors", cfg)
+    record = pretrain.record_teacher(path, cfg, train_seconds=1.0, final_loss=0.5)
+    assert drawn == [(3, {"seed": record["toyeval_settings"]["seed"]})]
+    assert record["toyeval"]["overall"] == sum(record["per_sample_overall"]) / 3

@@ -48,6 +48,7 @@ __all__ = [
     "generate",
     "read_images",
     "sample_hits",
+    "score_hits",
     "score_images",
     "teacher_distance",
     "toy_eval",
@@ -169,7 +170,11 @@ def sample_hits(images: Tensor, captions: tuple[Caption, ...] | list[Caption]) -
 
 def score_images(images: Tensor, captions: tuple[Caption, ...] | list[Caption]) -> ToyEvalScore:
     """ToyEval of images against their captions (per attribute, overall, and readable fraction)."""
-    hits = sample_hits(images, captions)
+    return score_hits(sample_hits(images, captions))
+
+
+def score_hits(hits: list[dict[str, bool]]) -> ToyEvalScore:
+    """ToyEval of `sample_hits`' per-sample results: the fraction of samples that hit each attribute."""
     fractions = {name: sum(h[name] for h in hits) / len(hits) for name in (*ATTRIBUTES, "overall", "readable")}
     return ToyEvalScore(**fractions, count=len(hits))
 

@@ -33,7 +33,7 @@ from trainer.model import ParamSplit
 from trainer.optim import build_optimizer, build_scheduler, optimizer_step
 from trainer.seeds import derived_seed
 from trainer.toy.data import make_batch
-from trainer.toy.eval import batch_loss, eval_set, sample_hits, toy_eval, validation_loss
+from trainer.toy.eval import batch_loss, eval_set, generate, sample_hits, score_hits, validation_loss
 from trainer.toy.model import TOY_CONFIG, WEIGHTS_FILE, build_toy_model, load_toy_base, load_toy_record, toy_arch
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["PretrainConfig", "export_teacher", "main", "record_teacher", "train_teacher"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_EVAL_SEED = 0
+"""The seed of the teacher's evaluation set (`trainer.toy.eval.eval_set`), recorded with its settings."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -139,12 +141,12 @@ def record_teacher(path: Path | str, cfg: PretrainConfig, *, train_seconds: floa
     """Reload the written file, measure ToyEval and validation loss, write `<name>.json` beside it."""
     path = Path(path)
     teacher = load_toy_base(path=path)
-    score, images = toy_eval(teacher, count=cfg.eval_count, steps=cfg.eval_steps, cfg=cfg.eval_cfg)
-    captions, _ = eval_set(cfg.eval_count)
+    captions, noise = eval_set(cfg.eval_count, seed=_EVAL_SEED)
+    hits = sample_hits(generate(teacher, captions, noise, steps=cfg.eval_steps, cfg=cfg.eval_cfg), captions)
     record = {
-        "toyeval": score.as_dict(),
-        "per_sample_overall": [int(hit["overall"]) for hit in sample_hits(images, captions)],
-        "toyeval_settings": {"count": cfg.eval_count, "steps": cfg.eval_steps, "cfg": cfg.eval_cfg, "seed": 0},
+        "toyeval": score_hits(hits).as_dict(),
+        "per_sample_overall": [int(hit["overall"]) for hit in hits],
+        "toyeval_settings": {"count": cfg.eval_count, "steps": cfg.eval_steps, "cfg": cfg.eval_cfg, "seed": _EVAL_SEED},
         "val_loss": validation_loss(teacher),
         "final_train_loss": final_loss,
         "train_seconds": round(train_seconds, 1),
