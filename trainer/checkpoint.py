@@ -222,14 +222,12 @@ class CheckpointManager:
         return final
 
     def _move_into_place(self, temp: Path, final: Path) -> None:
+        stale = final.with_name(f".{final.name}.old")
         if final.exists():
-            stale = final.with_name(f".{final.name}.old")
             shutil.rmtree(stale, ignore_errors=True)
             os.replace(final, stale)
-            os.replace(temp, final)
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            os.replace(temp, final)
+        os.replace(temp, final)
+        shutil.rmtree(stale, ignore_errors=True)
 
     def clear(self) -> None:
         """Remove every checkpoint (`--checkpoint.resume force`: an earlier run's, before starting over)."""

@@ -293,7 +293,7 @@ class TrainingConfig:
     @property
     def dtype(self) -> torch.dtype:
         """The compute dtype of `precision`: bfloat16 (autocast, FSDP2 parameters, frozen copies) or float32."""
-        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+        return self.autocast_dtype or torch.float32
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:

@@ -83,11 +83,6 @@ def init_world(config: ParallelConfig) -> World:
             dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    world = World(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        device=device,
-        owns_group=owns_group,
-    )
+    world = World(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, owns_group=owns_group)
     logger.info("Distributed: rank %d of %d on %s (%s)", world.rank, world.world_size, device, dist.get_backend())
     return world

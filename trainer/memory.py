@@ -127,17 +127,6 @@ class PlanSettings:
     teacher_params: int = 0
     """Parameters of the frozen teacher (0 = none)."""
 
-    @classmethod
-    def of(cls, config: TrainConfig, *, world_size: int, teacher_params: int = 0) -> PlanSettings:
-        """The settings of a run as `config` says, on `world_size` processes."""
-        return cls(
-            mode=config.parallel.mode,
-            world_size=world_size,
-            precision=config.training.precision,
-            gradient_checkpointing=config.training.gradient_checkpointing,
-            teacher_params=teacher_params,
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
@@ -263,7 +252,14 @@ def check_plan(
     Raises:
         PlanDoesNotFit: the plan does not fit; the message lists flag changes that would, or says that none does.
     """
-    settings = PlanSettings.of(config, world_size=world_size, teacher_params=teacher_params)
+    training = config.training
+    settings = PlanSettings(
+        mode=config.parallel.mode,
+        world_size=world_size,
+        precision=training.precision,
+        gradient_checkpointing=training.gradient_checkpointing,
+        teacher_params=teacher_params,
+    )
     margin = RUNTIME_MARGIN_GIB if budget_gib is not None else 0.0
     plan = plan_memory(counts, shape, settings, budget_gib=budget_gib, runtime_margin_gib=margin)
     gpu = find_gpu(device_name, budget_gib)
@@ -276,8 +272,8 @@ def check_plan(
             shape,
             gpu=gpu,
             gradient_checkpointing=settings.gradient_checkpointing,
-            steps=config.training.steps,
-            max_minutes=config.training.max_minutes,
+            steps=training.steps,
+            max_minutes=training.max_minutes,
         )
         plan = dataclasses.replace(plan, time=time)
     if plan.fits:

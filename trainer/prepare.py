@@ -92,10 +92,6 @@ def _load_pipeline(files: Path | PipelineFiles, transformer: nn.Module, world: W
     return pipe.to(world.device)
 
 
-def _pixel_multiple(pipe) -> int:
-    return pipe.vae_scale_factor * pipe.transformer.config.patch_size
-
-
 def _encode_text(pipe, captions: list[str], data: DataConfig, *, guidance: bool = False) -> tuple[Tensor, ...]:
     """`(context, negative context, pooled, negative pooled)` of `captions`; the negatives (the empty
     caption's) are None without `guidance`."""
@@ -374,7 +370,8 @@ def prepare_data(
         return cache_dir
     inputs = _INPUTS[data.source](data, world)
     pipe = _load_pipeline(pipeline, transformer, world)
-    sizes = bucket_sizes(data.buckets, data.resolution or DEFAULT_RESOLUTION, _pixel_multiple(pipe))
+    multiple = pipe.vae_scale_factor * pipe.transformer.config.patch_size
+    sizes = bucket_sizes(data.buckets, data.resolution or DEFAULT_RESOLUTION, multiple)
     items, skipped = inputs.items(sizes)
     cache_dir.mkdir(parents=True, exist_ok=True)
     check_plan(cache_dir, _plan(items, data), world)
