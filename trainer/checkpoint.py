@@ -162,12 +162,11 @@ class CheckpointManager:
         """Steps of the complete checkpoints (those with `state.json`), oldest first."""
         if not self.folder.is_dir():
             return []
-        found = []
-        for entry in self.folder.iterdir():
-            match = _STEP_DIR.match(entry.name)
-            if match and (entry / STATE_FILE).is_file():
-                found.append(int(match.group(1)))
-        return sorted(found)
+        return sorted(
+            int(match.group(1))
+            for entry in self.folder.iterdir()
+            if (match := _STEP_DIR.match(entry.name)) and (entry / STATE_FILE).is_file()
+        )
 
     def latest(self) -> Path | None:
         steps = self.steps()
