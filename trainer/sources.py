@@ -80,7 +80,7 @@ class PipelineFiles:
 
 def _download(repo_id: str, revision: str, patterns: tuple[str, ...]) -> Path:
     """A Hub repo's files matching `patterns`, from the local cache or downloaded into it."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         LocalEntryNotFoundError,
@@ -104,18 +104,12 @@ def _download(repo_id: str, revision: str, patterns: tuple[str, ...]) -> Path:
         ) from error
     except LocalEntryNotFoundError as error:
         raise FileNotFoundError(
-            f"{at} is not in the Hugging Face cache ({_hub_cache()}) and the Hub cannot be reached (offline mode "
-            "or no network). Run once online (unset HF_HUB_OFFLINE) to download it, or point HF_HOME at a cache "
-            "that holds it."
+            f"{at} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub cannot be reached "
+            "(offline mode or no network). Run once online (unset HF_HUB_OFFLINE) to download it, or point HF_HOME "
+            "at a cache that holds it."
         ) from error
     logger.info("Model: %s from the Hugging Face cache at %s", at, folder)
     return folder
-
-
-def _hub_cache() -> str:
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_CACHE
 
 
 def local_base(config: ModelConfig, *, pipeline: bool = False) -> Path:
@@ -222,10 +216,7 @@ def find_text_parts(config: ModelConfig, pipeline: str = "") -> PipelineFiles:
         FileNotFoundError: a folder without `model_index.json`, or a missing text encoder or tokenizer
             (the message names what was looked for, and where).
     """
-    if pipeline:
-        base = Path(pipeline).expanduser()
-    else:
-        base = local_base(config, pipeline=True)
+    base = Path(pipeline).expanduser() if pipeline else local_base(config, pipeline=True)
     if base.is_file() and not pipeline:
         configs = Path(config.config).expanduser() if config.config else PARTS_CONFIG_DIR
         if not (configs / "vae" / "config.json").is_file():

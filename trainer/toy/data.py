@@ -138,11 +138,6 @@ def sample_captions(count: int, *, generator: torch.Generator) -> tuple[Caption,
     return tuple(table[i] for i in picks.tolist())
 
 
-def _check_size(size: int) -> None:
-    if size < 32 or size % 16:
-        raise ValueError(f"image size must be a multiple of 16 and at least 32; got {size}.")
-
-
 def render(
     captions: tuple[Caption, ...] | list[Caption], *, size: int = IMAGE_SIZE, generator: torch.Generator
 ) -> Tensor:
@@ -151,7 +146,8 @@ def render(
     Returns:
         `(B, 3, size, size)` float32 in [0, 1].
     """
-    _check_size(size)
+    if size < 32 or size % 16:
+        raise ValueError(f"image size must be a multiple of 16 and at least 32; got {size}.")
     count = len(captions)
     offsets = (torch.rand(count, 2, generator=generator) * 2 - 1) * JITTER * size
     axis = torch.arange(size, dtype=torch.float32) + 0.5

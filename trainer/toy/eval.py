@@ -136,12 +136,10 @@ def read_images(images: Tensor) -> list[Reading]:
     mean_rgb = (images * weights).flatten(2).sum(2) / area.clamp_min(1).view(count, 1)
     row_idx = torch.arange(rows, dtype=torch.float32) + 0.5
     col_idx = torch.arange(cols, dtype=torch.float32) + 0.5
-    occupied_rows, occupied_cols = obj.any(2), obj.any(1)
     centroid = torch.stack(
         [(obj.sum(2) * row_idx).sum(1) / rows, (obj.sum(1) * col_idx).sum(1) / cols], dim=1
     ) / area.clamp_min(1).view(count, 1)
-    height = occupied_rows.sum(1).float()
-    width = occupied_cols.sum(1).float()
+    height, width = obj.any(2).sum(1).float(), obj.any(1).sum(1).float()
     fill = area / (height * width).clamp_min(1)
     extent = torch.maximum(height / rows, width / cols)
     colors = _nearest(mean_rgb, COLORS)
