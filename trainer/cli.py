@@ -179,13 +179,10 @@ def _check_tables(text: str, origin: str) -> dict[str, dict[str, Any]]:
 
 
 def _build(values: dict[str, dict[str, Any]]) -> TrainConfig:
-    sections = _section_types()
     built = {}
-    for section, cls in sections.items():
-        given = dict(values.get(section, {}))
+    for section, cls in _section_types().items():
         hints = typing.get_type_hints(cls)
-        for key, value in given.items():
-            given[key] = _coerce(value, hints[key], f"{section}.{key}")
+        given = {key: _coerce(value, hints[key], f"{section}.{key}") for key, value in values.get(section, {}).items()}
         built[section] = cls(**given)
     return TrainConfig(**built)
 
