@@ -154,9 +154,8 @@ def _pending(
     done = sum(len(shard) for index, _, shard in mine if (cache_dir / shard_name(index)).is_file())
     if done and world.is_main:
         logger.info("Data: resuming; %d of this rank's %d %s are cached", done, total, unit)
-    enabled = progress and world.is_main
-    bar = tqdm(total=total, initial=done, unit=unit[:-1], desc="Data", disable=not enabled, dynamic_ncols=True)
-    with bar:
+    shown = progress and world.is_main
+    with tqdm(total=total, initial=done, unit=unit[:-1], desc="Data", disable=not shown, dynamic_ncols=True) as bar:
         for index, size, shard in mine:
             if not (cache_dir / shard_name(index)).is_file():
                 yield index, size, shard
