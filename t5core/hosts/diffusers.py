@@ -8,6 +8,7 @@ reads and checks the file.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -101,6 +102,23 @@ class T5Handle:
         """The new parameters (fast weights and locality convs) of every converted module."""
         for module in self.modules.values():
             yield from module.parameters()
+
+    @contextlib.contextmanager
+    def softmax(self) -> Iterator[None]:
+        """Inside, every converted module runs its original softmax attention; the T5 modules stay in place
+        and return on exit. With the inherited weights as the base has them, this is the softmax model."""
+        converted = self.model.attn_processors
+        self.model.set_attn_processor(dict(self._processors))
+        hooks = [
+            self.model.get_submodule(diffusers_module(name)).register_forward_pre_hook(drop_grid_hook, with_kwargs=True)
+            for name in self.modules
+        ]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            self.model.set_attn_processor(converted)
 
     def remove(self) -> None:
         """Undo: original processors, no hooks, original inherited weights. Bit-identical outputs."""
