@@ -1,14 +1,16 @@
 """Between a T5 weights file and a host's model: what to install, and what to export.
 
 `prepare` is the sequence both hosts run before wiring anything into a model: load the file, check
-it against the model's architecture and the layer request, check its `base.*` tensors against the
-model's own, and build the `T5Attention` modules. Nothing is changed in the model, so a refusal
-leaves it as it was. `base_tensors` goes the other way: from a fine-tuned diffusers model (or the
-full tensors a trainer gathered) to the SD3-named `base.*` tensors of a weights file.
+it against the model's architecture and the layer request, check its `base.*` tensors or deltas
+against the model's own, compare the base fingerprint (`check_fingerprint`) and build the
+`T5Attention` modules. Nothing is changed in the model, so a refusal leaves it as it was.
+`base_tensors` goes the other way: from a fine-tuned diffusers model (or the full tensors a trainer
+gathered) to the SD3-named `base.*` tensors of a weights file.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -17,11 +19,14 @@ from torch import Tensor
 
 from t5core.attention import T5Attention
 from t5core.config import BaseArch, T5Config
+from t5core.deltas import Delta
 from t5core.layers import LayerSpec
 from t5core.sd3_keys import diffusers_module, diffusers_to_sd3, key_rules
 from t5core.weights import T5Weights, T5WeightsError, build_modules, check_base, check_compatible, load
 
-__all__ = ["Prepared", "base_sources", "base_tensors", "prepare"]
+__all__ = ["Prepared", "base_sources", "base_tensors", "check_fingerprint", "prepare"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,11 +37,14 @@ class Prepared:
         weights: the loaded file.
         config: the file's settings, with `layers` set to the modules chosen for this model.
         modules: a `T5Attention` holding the file's tensors per chosen module (`blocks.3.attn`).
+        fingerprint_matches: whether the model is the base the file was trained on
+            (`check_fingerprint`); None when the file has no fingerprint.
     """
 
     weights: T5Weights
     config: T5Config
     modules: dict[str, T5Attention]
+    fingerprint_matches: bool | None = None
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -48,12 +56,50 @@ class Prepared:
         """The file's `base.*` tensors in SD3 naming, each checked to be a model tensor of the same shape."""
         return self.weights.base
 
+    @property
+    def deltas(self) -> dict[str, Delta]:
+        """The file's deltas in SD3 naming, each checked to be of a model tensor of its shape."""
+        return self.weights.deltas
+
+
+def check_fingerprint(weights: T5Weights, model_fingerprint: Callable[[], str]) -> bool | None:
+    """Compare the base fingerprint a file records with the model's, and say so once when they differ.
+
+    A different base is allowed (a file's deltas are meant for fine-tunes of its base too), so a
+    mismatch is one warning naming both fingerprints and the base the file was made for.
+
+    Args:
+        weights: the loaded file.
+        model_fingerprint: returns `t5core.deltas.fingerprint` of the model; called only when the file
+            has a fingerprint.
+
+    Returns:
+        Whether they match; None when the file has no fingerprint.
+    """
+    if weights.fingerprint is None:
+        return None
+    model = model_fingerprint()
+    if model == weights.fingerprint:
+        return True
+    base = weights.provenance.get("base")
+    logger.warning(
+        "T5 weights %s: made for %s (fingerprint %s), but this model's fingerprint is %s; %s anyway (a file "
+        "is meant for fine-tunes of its base too), but results may differ from those it was trained for",
+        weights.name,
+        f"base {base!r}" if base else "another base",
+        weights.fingerprint,
+        model,
+        f"adding its {len(weights.deltas)} deltas" if weights.deltas else "using it",
+    )
+    return False
+
 
 def prepare(
     weights: T5Weights | str | os.PathLike[str],
     arch: BaseArch,
     *,
     model_state: Callable[[], Mapping[str, Tensor]],
+    model_fingerprint: Callable[[], str],
     layers: LayerSpec | None = None,
     variant: str | None = None,
     backend: str = "auto",
@@ -64,7 +110,9 @@ def prepare(
         weights: a loaded T5 weights file, or its path.
         arch: the model's architecture.
         model_state: returns the model's tensors by SD3 checkpoint name (meta tensors will do: only
-            names and shapes are read); called only when the file has `base.*` tensors.
+            names and shapes are read); called only when the file has `base.*` tensors or deltas.
+        model_fingerprint: returns `t5core.deltas.fingerprint` of the model as it is before the file
+            changes it; called only when the file has a fingerprint (`check_fingerprint`).
         layers: restricts the conversion to a subset of the file's layers (a layer spec); None takes
             all of them.
         variant: the inner model the caller expects; None takes the file's.
@@ -76,7 +124,8 @@ def prepare(
     Raises:
         FileNotFoundError: `weights` is a path that does not exist.
         T5WeightsError: the file is unreadable, of another variant, for another architecture, cannot
-            serve `layers`, or has `base.*` tensors the model lacks or holds in another shape.
+            serve `layers`, or has `base.*` tensors or deltas of tensors the model lacks or holds in
+            another shape.
     """
     weights = weights if isinstance(weights, T5Weights) else load(weights)
     if variant is not None and variant != weights.config.variant:
@@ -85,10 +134,11 @@ def prepare(
             "was requested. Drop the variant argument."
         )
     chosen = check_compatible(weights, arch, layers)
-    if weights.base:
+    if weights.base or weights.deltas:
         check_base(weights, model_state())
+    matches = check_fingerprint(weights, model_fingerprint)
     config = replace(weights.config, layers=chosen)
-    return Prepared(weights, config, build_modules(weights, chosen, backend=backend))
+    return Prepared(weights, config, build_modules(weights, chosen, backend=backend), matches)
 
 
 def base_sources(arch: BaseArch, *, params: Iterable[str] = (), layers: Iterable[str] = ()) -> tuple[str, ...]:

@@ -1,12 +1,19 @@
-"""The T5 weights file (format versions 1 to 3, DESIGN.md section 4): save, load, validate.
+"""The T5 weights file (format versions 1 to 4): save, load, validate.
 
 A safetensors file with `blocks.{i}.attn.{param}` / `blocks.{i}.attn2.{param}` tensors (the T5
-parameters of each converted module), optional `base.{key}` tensors (fine-tuned inherited weights in
-SD3 checkpoint naming) and string metadata: `t5.format_version`, the `T5Config` fields (`t5.variant`,
+parameters of each converted module), the changes a run made to inherited weights (SD3 checkpoint
+naming) and string metadata: `t5.format_version`, the `T5Config` fields (`t5.variant`,
 `t5.key_norm_eps`, `t5.locality`, `t5.layers`, in version 2 `t5.joint_mode`, `t5.merge`, in version
-3 `t5.neighborhood`), `t5.base` (the `BaseArch` as JSON) and `t5.trainer` (free-form provenance as JSON).
+3 `t5.neighborhood`), `t5.base` (the `BaseArch` as JSON), `t5.trainer` (free-form provenance as JSON)
+and, in version 4, `t5.base_fingerprint` (`t5core.deltas.fingerprint` of the base it was trained on).
 
-A file is written with the lowest version whose readers run it correctly: version 3 with the
+Inherited weights are stored one of two ways. Versions 1 to 3 hold `base.{key}` tensors, absolute
+values that replace the model's. Version 4 holds deltas (`t5core.deltas.Delta`) that a host adds to
+the model it is given: `delta.{key}.diff`, or low-rank `delta.{key}.up` (parts, rows, rank) and
+`delta.{key}.down` (parts, rank, cols); a version-4 file holds no `base.*`.
+
+A file is written with the lowest version whose readers run it correctly: version 4 with deltas or a
+fingerprint, which older readers refuse (they do not know `delta.*`); else version 3 with the
 neighbourhood blend (`T5Config.neighborhood`), which older readers would drop without a word; else
 version 2 for hybrid joint attention (`T5Config.joint_mode = "hybrid"`), which a version-1 reader
 would run as plain T5 attention; else version 1, so older readers keep loading it. Every mismatch
@@ -32,6 +39,7 @@ from t5core.atomic import write_atomic
 from t5core.attention import T5Attention
 from t5core.config import BaseArch, T5Config
 from t5core.contract import fast_weight_names
+from t5core.deltas import Delta
 from t5core.layers import LayerSpec, resolve_layers
 
 __all__ = [
@@ -48,9 +56,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """The newest format this module reads and writes; it reads every version from 1 up."""
+DELTAS_VERSION = 4
+"""The first format with deltas and a base fingerprint, and without `base.*`."""
 BASE_PREFIX = "base."
+DELTA_PREFIX = "delta."
+DELTA_FORMS = ("diff", "up", "down")
+"""The suffixes of a delta's tensors: `delta.{key}.diff`, or `delta.{key}.up` and `delta.{key}.down`."""
 
 
 class T5WeightsError(ValueError):
@@ -72,8 +85,12 @@ class T5Weights:
         config: variant, key-norm eps, locality and the converted layers.
         arch: the base model it was made for.
         modules: per converted module (`blocks.3.attn`), its tensors by parameter name (`w1`, `q_conv.weight`).
-        base: fine-tuned inherited weights in SD3 checkpoint naming, without the `base.` prefix.
+        base: fine-tuned inherited weights in SD3 checkpoint naming, without the `base.` prefix
+            (versions 1 to 3).
         provenance: free-form facts about how the file was made (trainer settings, steps, ...).
+        deltas: changes to inherited weights in SD3 checkpoint naming, to add to the model's (version 4).
+        fingerprint: `t5core.deltas.fingerprint` of the base the file was trained on; None when the
+            file does not say.
     """
 
     path: str
@@ -82,6 +99,8 @@ class T5Weights:
     modules: dict[str, dict[str, Tensor]]
     base: dict[str, Tensor] = field(default_factory=dict)
     provenance: dict[str, str] = field(default_factory=dict)
+    deltas: dict[str, Delta] = field(default_factory=dict)
+    fingerprint: str | None = None
 
     @property
     def name(self) -> str:
@@ -101,8 +120,10 @@ def expected_shapes(config: T5Config, arch: BaseArch, layer: str) -> dict[str, t
     return shapes
 
 
-def _format_version(config: T5Config) -> int:
+def _format_version(config: T5Config, *, deltas: bool) -> int:
     """The lowest version whose readers run the file correctly (module docstring)."""
+    if deltas:
+        return DELTAS_VERSION
     if config.neighborhood:
         return 3
     return 1 if config.joint_mode == "ttt" else 2
@@ -116,6 +137,8 @@ def save(
     config: T5Config | None = None,
     base: Mapping[str, Tensor] | None = None,
     provenance: Mapping[str, object] | None = None,
+    deltas: Mapping[str, Delta] | None = None,
+    fingerprint: str | None = None,
 ) -> Path:
     """Write a T5 weights file atomically (temp file, fsync, rename).
 
@@ -125,14 +148,20 @@ def save(
             (`blocks.3.attn`) to `T5Attention`; a mapping needs `arch` and `config`.
         arch: the base model; defaults to the handle's.
         config: the T5 config; defaults to the handle's. Its `layers` are set to the saved modules.
-        base: fine-tuned inherited weights in SD3 checkpoint naming, stored as `base.{key}`.
+        base: fine-tuned inherited weights in SD3 checkpoint naming, stored as `base.{key}` (absolute
+            values; versions 1 to 3).
         provenance: facts about how the file was made, stored as JSON in `t5.trainer`.
+        deltas: changes to inherited weights in SD3 checkpoint naming, stored as `delta.{key}.diff` or
+            `delta.{key}.up` and `.down`; makes the file version 4.
+        fingerprint: `t5core.deltas.fingerprint` of the base the deltas were trained on, stored as
+            `t5.base_fingerprint`; makes the file version 4.
 
     Returns:
         The path written.
 
     Raises:
-        ValueError: missing arch/config, or a module that does not match them.
+        ValueError: missing arch/config, a module that does not match them, or `base` given with
+            `deltas` or `fingerprint`.
     """
     path = Path(path)
     if path.suffix != ".safetensors":
@@ -142,6 +171,12 @@ def save(
     config = config or getattr(source, "config", None)
     if arch is None or config is None:
         raise ValueError("save() needs arch= and config= when given a plain mapping of modules.")
+    changes = bool(deltas) or fingerprint is not None
+    if base and changes:
+        raise ValueError(
+            "save() got base= (absolute values, format 1 to 3) and deltas= or fingerprint= (changes to add, "
+            "format 4); a file holds one of them. Pass the trained changes as deltas= instead of base=."
+        )
     layers = resolve_layers(list(modules), arch)
     config = replace(config, layers=layers)
     tensors: dict[str, Tensor] = {}
@@ -154,15 +189,25 @@ def save(
         tensors.update({f"{name}.{key}": t.detach().to("cpu").contiguous() for key, t in state.items()})
     for key, tensor in (base or {}).items():
         tensors[BASE_PREFIX + key] = tensor.detach().to("cpu").contiguous()
+    for key, delta in (deltas or {}).items():
+        for form, tensor in delta.stored().items():
+            tensors[f"{DELTA_PREFIX}{key}.{form}"] = tensor.detach().to("cpu").contiguous()
     metadata = {
         "format": "pt",
-        "t5.format_version": str(_format_version(config)),
+        "t5.format_version": str(_format_version(config, deltas=changes)),
         **config.to_metadata(),
         "t5.base": arch.to_metadata(),
         "t5.trainer": json.dumps(dict(provenance or {}), sort_keys=True, default=str),
+        **({"t5.base_fingerprint": fingerprint} if fingerprint is not None else {}),
     }
     write_atomic(path, lambda temp: save_file(tensors, temp, metadata=metadata))
-    logger.info("T5 weights: wrote %d modules (%d base tensors) to %s", len(layers), len(base or {}), path)
+    logger.info(
+        "T5 weights: wrote %d modules (%d base tensors, %d deltas) to %s",
+        len(layers),
+        len(base or {}),
+        len(deltas or {}),
+        path,
+    )
     return path
 
 
@@ -193,7 +238,7 @@ def _read(path: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
 
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-"""The dtypes a T5 weights file may store (T5 parameters and `base.*` tensors alike)."""
+"""The dtypes a T5 weights file may store (T5 parameters, `base.*` and `delta.*` tensors alike)."""
 
 
 def _check_values(path: Path, key: str, tensor: Tensor) -> None:
@@ -225,8 +270,10 @@ def load(path: str | os.PathLike[str]) -> T5Weights:
     Raises:
         FileNotFoundError: no such file.
         T5WeightsError: not a T5 weights file, a newer format, corrupt or truncated, missing or
-            misshapen tensors, tensors that do not belong, or tensors (T5 or `base.*`) that are not
-            float32 / float16 / bfloat16 or hold NaN or infinite values.
+            misshapen tensors, tensors that do not belong, `base.*` in a version-4 file or `delta.*`
+            in an older one, deltas of no known form or whose factors do not fit, or tensors (T5,
+            `base.*` or `delta.*`) that are not float32 / float16 / bfloat16 or hold NaN or infinite
+            values.
     """
     path = Path(path)
     if not path.is_file():
@@ -253,10 +300,21 @@ def load(path: str | os.PathLike[str]) -> T5Weights:
     shapes = {name: expected_shapes(config, arch, name) for name in layers}
     modules: dict[str, dict[str, Tensor]] = {name: {} for name in layers}
     base: dict[str, Tensor] = {}
+    stored_deltas: dict[str, dict[str, Tensor]] = {}
     for key, tensor in tensors.items():
         _check_values(path, key, tensor)
         if key.startswith(BASE_PREFIX):
             base[key[len(BASE_PREFIX) :]] = tensor
+            continue
+        if key.startswith(DELTA_PREFIX):
+            target, _, form = key[len(DELTA_PREFIX) :].rpartition(".")
+            if form not in DELTA_FORMS:
+                raise _fail(
+                    path,
+                    f"holds tensor {key!r}, which is not a delta (delta.{{key}}.diff, .up or .down).",
+                    "The file is damaged or was edited; re-export it.",
+                )
+            stored_deltas.setdefault(target, {})[form] = tensor
             continue
         module, _, param = key.rpartition(".")
         if module.endswith("_conv"):
@@ -284,7 +342,44 @@ def load(path: str | os.PathLike[str]) -> T5Weights:
                 f"is missing {', '.join(f'{name}.{p}' for p in missing)}.",
                 "The file is incomplete (an interrupted copy?); download or export it again.",
             )
-    return T5Weights(str(path), config, arch, modules, base, {str(k): str(v) for k, v in provenance.items()})
+    return T5Weights(
+        str(path),
+        config,
+        arch,
+        modules,
+        base,
+        {str(k): str(v) for k, v in provenance.items()},
+        deltas=_deltas(path, int(version), base, stored_deltas),
+        fingerprint=metadata.get("t5.base_fingerprint"),
+    )
+
+
+def _deltas(
+    path: Path, version: int, base: Mapping[str, Tensor], stored: dict[str, dict[str, Tensor]]
+) -> dict[str, Delta]:
+    """The file's deltas from their tensors by form, checked: only in version 4, where `base.*` is not."""
+    if version >= DELTAS_VERSION and base:
+        raise _fail(
+            path,
+            f"is format version {version}, which stores inherited weights as delta.* changes, but it also "
+            f"holds base.* tensors ({', '.join(sorted(base)[:3])}).",
+            "The file was edited or written by another tool; re-export it with t5core.weights.save or "
+            "trainer/run.py (deltas, or base tensors in an older format, not both).",
+        )
+    if version < DELTAS_VERSION and stored:
+        raise _fail(
+            path,
+            f"holds delta.* tensors ({', '.join(sorted(stored)[:3])}), which format version {DELTAS_VERSION} "
+            f"brought, but says it is version {version}.",
+            "The file is damaged or was edited; re-export it.",
+        )
+    deltas = {}
+    for key, forms in stored.items():
+        try:
+            deltas[key] = Delta(**forms)
+        except ValueError as error:
+            raise _fail(path, f"delta {key!r}: {error}", "The file is damaged or was edited; re-export it.") from error
+    return deltas
 
 
 def _arch_mismatch(weights: T5Weights, arch: BaseArch) -> str:
@@ -337,7 +432,8 @@ def check_compatible(weights: T5Weights, arch: BaseArch, layers: LayerSpec | Non
 
 
 def check_base(weights: T5Weights, model_state: Mapping[str, Tensor]) -> None:
-    """Check that every `base.*` tensor of a file is a tensor of the model, with its shape.
+    """Check what a file does to the base model's weights: every `base.*` tensor and every delta is of
+    a tensor of the model, with its shape (a low-rank delta's parts x rows by cols).
 
     Args:
         weights: the loaded file.
@@ -345,21 +441,25 @@ def check_base(weights: T5Weights, model_state: Mapping[str, Tensor]) -> None:
             only names and shapes are read, so meta tensors will do.
 
     Raises:
-        T5WeightsError: a base tensor the model lacks, or one of another shape.
+        T5WeightsError: a base tensor or delta of a tensor the model lacks, or of another shape.
     """
     path = Path(weights.path)
-    for key, tensor in weights.base.items():
+    changes = [(key, f"base tensor {key!r}", tuple(tensor.shape)) for key, tensor in weights.base.items()]
+    for key, delta in weights.deltas.items():
+        form = f"low-rank delta {key!r} ({delta.parts} parts of rank {delta.rank})" if delta.low_rank else None
+        changes.append((key, form or f"delta {key!r}", delta.shape))
+    for key, what, shape in changes:
         target = model_state.get(key)
         if target is None:
             raise _fail(
                 path,
-                f"base tensor {key!r} is not a weight of this model.",
+                f"{what} is not a weight of this model.",
                 "The file was made for another model variant; use a T5 weights file trained for this model.",
             )
-        if tuple(target.shape) != tuple(tensor.shape):
+        if tuple(target.shape) != shape:
             raise _fail(
                 path,
-                f"base tensor {key!r} is {tuple(tensor.shape)}, the model's is {tuple(target.shape)}.",
+                f"{what} is {shape}, the model's is {tuple(target.shape)}.",
                 "Use a T5 weights file trained for this model.",
             )
 

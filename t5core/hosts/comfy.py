@@ -11,13 +11,17 @@
 * the T5 modules live in their own patcher, of the same kind as the model's (Dynamic VRAM's
   `ModelPatcherDynamic` on ComfyUI 0.33 with NVIDIA, `ModelPatcher` otherwise), registered as an
   additional model, so ComfyUI loads, moves and offloads them with the diffusion model;
-* the file's `base.*` tensors become `("diff", ...)` weight patches on ComfyUI's own layers: the
-  fine-tuned value minus the weight the model stores, in fp32 (applied when ComfyUI loads or streams
-  those weights). LoRA patches add too, so a LoRA before or after the node gives the same model; a
-  `("set", ...)` patch would discard a LoRA placed before it. The few weights that live in plain
-  torch modules (the q/k RMSNorm scales), which ComfyUI's weight patches do not reach under Dynamic
-  VRAM or a partial load, get a replaced module instead; in a full load ComfyUI patches the replaced
-  module, so a LoRA on such a scale adds on top of the fine-tuned value there too.
+* the file's changes to inherited weights become weight patches on ComfyUI's own layers, applied
+  when ComfyUI loads or streams those weights: a delta (format 4) as it is, a LoRA patch per part of
+  a low-rank delta (on that part's rows of a fused qkv) or a `("diff", ...)` patch of a full one; a
+  `base.*` tensor (formats 1 to 3) as a `("diff", ...)` patch of the fine-tuned value minus the weight
+  the model stores, in fp32. Every one adds, as LoRA patches do, so a LoRA before or after the node
+  gives the same model; a `("set", ...)` patch would discard a LoRA placed before it. The few weights
+  that live in plain torch modules (the q/k RMSNorm scales), which ComfyUI's weight patches do not
+  reach under Dynamic VRAM or a partial load, get a replaced module instead, holding the fine-tuned
+  value (the stored one plus the delta); in a full load ComfyUI patches the replaced module, so a
+  LoRA on such a scale adds on top of it there too.
+* a file that records its base's fingerprint is compared with the model's (`t5core.convert.check_fingerprint`).
 
 Dropping the clone (or bypassing the node) gives the original model back exactly.
 
@@ -41,6 +45,7 @@ from torch import Tensor, nn
 
 from t5core.config import BaseArch
 from t5core.convert import Prepared, prepare
+from t5core.deltas import Delta, TensorsOnRead, fingerprint, fingerprint_keys
 from t5core.hosts.comfy_runtime import KEY, CallContext, JointForward, T5Modules
 from t5core.layers import LayerSpec
 from t5core.weights import T5Weights, T5WeightsError
@@ -103,16 +108,21 @@ def converted_layers(model_patcher: Any) -> tuple[str, ...]:
     return additional[0].model.layers() if additional else ()
 
 
-@dataclass(frozen=True)
-class _BasePlan:
-    """Where the file's `base.*` tensors go: `("diff", ...)` weight patches, the fine-tuned value minus
-    the model's stored one, for ComfyUI's own layers (`comfy.ops`, patched wherever and whenever ComfyUI
-    loads or streams them; additive, so they commute with LoRA patches placed before or after the
-    node), and replacement modules, by path under the diffusion model, for plain torch modules such as
-    the q/k RMSNorm, whose parameters ComfyUI 0.33 neither patches under Dynamic VRAM nor in a partial
-    load."""
+_PatchKey = str | tuple[str, tuple[int, int, int]]
+"""A ComfyUI weight patch's key: the weight's name, or its name and (dim, start, length) of a slice."""
 
-    weight_patches: dict[str, tuple]
+
+@dataclass(frozen=True)
+class _WeightPlan:
+    """Where the file's changes to inherited weights (`base.*` tensors or deltas) go: weight patches
+    that add a delta (LoRA patches, or `("diff", ...)`; for a `base.*` tensor the fine-tuned value
+    minus the model's stored one) for ComfyUI's own layers (`comfy.ops`, patched wherever and whenever
+    ComfyUI loads or streams them; additive, so they commute with LoRA patches placed before or after
+    the node), and replacement modules, by path under the diffusion model, for plain torch modules
+    such as the q/k RMSNorm, whose parameters ComfyUI 0.33 neither patches under Dynamic VRAM nor in a
+    partial load."""
+
+    weight_patches: dict[_PatchKey, Any]
     modules: dict[str, nn.Module]
 
 
@@ -147,28 +157,67 @@ def _fresh_copy(module: nn.Module) -> nn.Module:
     return replacement
 
 
-def _plan_base(prepared: Prepared, stored: Callable[[], Mapping[str, _Stored]], model_patcher: Any) -> _BasePlan:
-    """Route the file's checked `base.*` tensors (see `_BasePlan`); `stored` gives the model's own tensors."""
-    plan = _BasePlan({}, {})
-    for key, tensor in prepared.base.items():
+def _weight_patches(key: str, delta: Delta) -> dict[_PatchKey, Any]:
+    """ComfyUI weight patches that add `delta` to the diffusion model's `key`: a LoRA patch (scale 1)
+    on each part's rows of a low-rank delta, else a `("diff", ...)` patch of the full delta."""
+    import comfy.weight_adapter
+
+    name = f"diffusion_model.{key}"
+    if not delta.low_rank:
+        return {name: ("diff", (delta.full(),))}
+    rows = delta.up.shape[1]
+    # (mat_up, mat_down, alpha, mid, dora_scale, reshape); alpha None is scale 1
+    return {
+        (name, (0, part * rows, rows)): comfy.weight_adapter.LoRAAdapter(set(), (up, down, None, None, None, None))
+        for part, (up, down) in enumerate(zip(delta.up, delta.down, strict=True))
+    }
+
+
+def _plan_weights(prepared: Prepared, stored: Callable[[], Mapping[str, _Stored]], model_patcher: Any) -> _WeightPlan:
+    """Route the file's checked `base.*` tensors and deltas (see `_WeightPlan`); `stored` gives the
+    model's own tensors."""
+    plan = _WeightPlan({}, {})
+    changes = [(key, tensor, None) for key, tensor in prepared.base.items()]
+    changes += [(key, None, delta) for key, delta in prepared.deltas.items()]
+    for key, value, delta in changes:
         owner_name, _, attribute = key.rpartition(".")
         # this clone's module: another clone's object patch may be installed in the live model
         # a top-level tensor (pos_embed) is owned by the diffusion model itself
         owner = model_patcher.get_model_object(f"diffusion_model.{owner_name}" if owner_name else "diffusion_model")
         if hasattr(owner, "comfy_cast_weights"):
-            delta = tensor.to(torch.float32) - stored()[key].value()
-            plan.weight_patches[f"diffusion_model.{key}"] = ("diff", (delta,))
+            if delta is None:
+                delta = Delta(diff=value.to(torch.float32) - stored()[key].value())
+            plan.weight_patches.update(_weight_patches(key, delta))
         elif attribute in owner._parameters and not any(True for _ in owner.children()):
+            if value is None:
+                value = stored()[key].value() + delta.full()
             replacement = plan.modules.get(owner_name) or _fresh_copy(owner)
             dtype = stored()[key].tensor.dtype
-            setattr(replacement, attribute, nn.Parameter(tensor.to(dtype), requires_grad=False))
+            setattr(replacement, attribute, nn.Parameter(value.to(dtype), requires_grad=False))
             plan.modules[owner_name] = replacement
         else:
+            what = "base tensor" if delta is None else "delta"
             raise T5WeightsError(
-                f"{prepared.weights.name}: base tensor {key!r} is not a trainable weight of a layer (a buffer such "
-                "as the position embedding), which T5 Linearize does not replace. Export the file without it."
+                f"{prepared.weights.name}: {what} {key!r} is not a trainable weight of a layer (a buffer such "
+                "as the position embedding), which T5 Linearize does not change. Export the file without it."
             )
     return plan
+
+
+def _fingerprint(stored: Callable[[], Mapping[str, _Stored]], arch: BaseArch) -> str:
+    """`t5core.deltas.fingerprint` of the weights the model stores, each qkv dequantized when it is read."""
+    return fingerprint(TensorsOnRead(fingerprint_keys(arch), lambda key: stored()[key].value()), arch)
+
+
+def _describe_changes(prepared: Prepared) -> str:
+    """The summary line's account of the file's changes to inherited weights ("" for none)."""
+    if prepared.base:
+        return f", {len(prepared.base)} base weights patched"
+    if not prepared.deltas:
+        return ""
+    low_rank = sum(delta.low_rank for delta in prepared.deltas.values())
+    other = ", made for another base" if prepared.fingerprint_matches is False else ""
+    return f", {len(prepared.deltas)} deltas added ({low_rank} low rank, {len(prepared.deltas) - low_rank} full){other}"
 
 
 def _t5_patcher(model_patcher: Any, modules: T5Modules) -> Any:
@@ -205,7 +254,7 @@ def linearize(
         TypeError: the MODEL is not an SD3-family MMDiT (the message names the model).
         ValueError: the MODEL is already converted by T5 Linearize, or `layers` selects nothing.
         T5WeightsError: the file is for another architecture, cannot serve `layers`, or has `base.*`
-            tensors that do not fit the model.
+            tensors or deltas that do not fit the model.
         FileNotFoundError: `weights` is a path that does not exist.
     """
     import comfy.patcher_extension
@@ -221,17 +270,24 @@ def linearize(
     def state() -> dict[str, Tensor]:
         return {key: entry.tensor for key, entry in stored().items()}
 
-    prepared = prepare(weights, arch, model_state=state, layers=layers, backend=backend)
+    prepared = prepare(
+        weights,
+        arch,
+        model_state=state,
+        model_fingerprint=functools.partial(_fingerprint, stored, arch),
+        layers=layers,
+        backend=backend,
+    )
     if not prepared.layers:
         raise ValueError(
             f"layers {layers!r} selects no attention module; to run the model unchanged, turn T5 Linearize off."
         )
-    base = _plan_base(prepared, stored, model_patcher)
+    plan = _plan_weights(prepared, stored, model_patcher)
     modules = T5Modules(prepared.modules)
     modules.requires_grad_(False)
 
     patched = model_patcher.clone()
-    object_patches = {f"diffusion_model.{path}": module for path, module in base.modules.items()}
+    object_patches = {f"diffusion_model.{path}": module for path, module in plan.modules.items()}
     for index in range(len(diffusion.joint_blocks)):
         attn, attn2 = modules.get(index, "attn"), modules.get(index, "attn2")
         if attn is not None or attn2 is not None:
@@ -242,14 +298,14 @@ def linearize(
         patched.add_object_patch(name, patch)
     patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, KEY, CallContext.wrapper)
     patched.set_additional_models(KEY, [_t5_patcher(model_patcher, modules)])
-    if base.weight_patches:
-        patched.add_patches(base.weight_patches, strength_patch=1.0)
+    if plan.weight_patches:
+        patched.add_patches(plan.weight_patches, strength_patch=1.0)
     logger.info(
         "T5 Linearize: %s runs T5 attention on %d of %d attention modules (%s)%s",
         prepared.weights.name,
         len(prepared.layers),
         len(arch.attention_modules()),
         ",".join(prepared.layers),
-        f", {len(prepared.base)} base weights patched" if prepared.base else "",
+        _describe_changes(prepared),
     )
     return patched

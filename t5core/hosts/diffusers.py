@@ -1,9 +1,10 @@
 """The diffusers host: convert an `SD3Transformer2DModel`'s attention to T5 attention, reversibly.
 
 `linearize` gives each converted `Attention` a `T5AttnProcessor`, hooks in the latent grid (both in
-`t5core.hosts.diffusers_runtime`) and copies a weights file's `base.*` tensors into the model; the
-handle's `remove()` restores processors and weights and drops the hooks. `t5core.convert.prepare`
-reads and checks the file.
+`t5core.hosts.diffusers_runtime`), copies a weights file's `base.*` tensors into the model and adds
+its deltas to the model's weights (computed in float32, stored in each weight's dtype); the handle's
+`remove()` restores processors and weights and drops the hooks. `t5core.convert.prepare` reads and
+checks the file and compares the model's fingerprint, taken before anything changes, with the file's.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from torch.utils.hooks import RemovableHandle
 from t5core.attention import T5Attention
 from t5core.config import BaseArch, T5Config
 from t5core.convert import prepare
+from t5core.deltas import Delta, TensorsOnRead, diffusers_deltas, fingerprint, fingerprint_keys
 from t5core.hosts.diffusers_runtime import T5AttnProcessor, drop_grid_hook, grid_hook
 from t5core.hybrid import JointMode, Merge
 from t5core.layers import LayerSpec, resolve_layers
-from t5core.sd3_keys import diffusers_module, diffusers_to_sd3, layer_name, sd3_to_diffusers
+from t5core.sd3_keys import diffusers_module, diffusers_to_sd3, key_rules, layer_name, sd3_to_diffusers
 from t5core.weights import T5Weights
 
 __all__ = ["T5AttnProcessor", "T5Handle", "arch_of", "converted_layers", "linearize"]
@@ -78,6 +80,17 @@ def _sd3_state(transformer: nn.Module, arch: BaseArch) -> dict[str, Tensor]:
     return diffusers_to_sd3(meta, arch)
 
 
+def _fingerprint(transformer: nn.Module, arch: BaseArch) -> str:
+    """`t5core.deltas.fingerprint` of the transformer, each fused qkv made when it is read."""
+    tensors = _tensors(transformer)
+    sources = {rule.sd3: rule.diffusers for rule in key_rules(arch)}
+
+    def read(key: str) -> Tensor:
+        return diffusers_to_sd3({name: tensors[name] for name in sources[key]}, arch)[key]
+
+    return fingerprint(TensorsOnRead(fingerprint_keys(arch), read), arch)
+
+
 @dataclass
 class T5Handle:
     """A conversion in place: the T5 modules and how to undo it.
@@ -95,7 +108,7 @@ class T5Handle:
     arch: BaseArch
     _processors: dict[str, Any] = field(repr=False)
     _hooks: list[RemovableHandle] = field(repr=False)
-    _replaced_base: dict[str, Tensor] = field(repr=False)
+    _originals: dict[str, Tensor] = field(repr=False)
     _removed: bool = field(default=False, repr=False)
 
     def t5_parameters(self) -> Iterator[nn.Parameter]:
@@ -127,20 +140,37 @@ class T5Handle:
         for hook in self._hooks:
             hook.remove()
         self.model.set_attn_processor(dict(self._processors))
-        _copy_into(self.model, self._replaced_base)
+        _copy_into(self.model, self._originals)
         self._removed = True
         logger.info("T5: restored softmax attention on %d modules", len(self.modules))
 
 
-def _copy_into(transformer: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Copy diffusers-named tensors into the model; return the values they replaced."""
+def _copy_into(transformer: nn.Module, state: dict[str, Tensor]) -> None:
+    """Copy diffusers-named tensors into the model."""
     tensors = _tensors(transformer)
-    replaced = {}
     with torch.no_grad():
         for name, tensor in state.items():
-            replaced[name] = tensors[name].detach().clone()
             tensors[name].copy_(tensor)
-    return replaced
+
+
+def _change(
+    transformer: nn.Module, arch: BaseArch, *, values: dict[str, Tensor], deltas: dict[str, Delta]
+) -> dict[str, Tensor]:
+    """Set the model's tensors to diffusers-named `values` and add SD3-named `deltas` to them (in
+    float32, stored in each tensor's dtype, one delta at a time); return the original of every tensor
+    changed."""
+    tensors = _tensors(transformer)
+    originals: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for name, value in values.items():
+            originals.setdefault(name, tensors[name].detach().clone())
+            tensors[name].copy_(value)
+        for key, delta in deltas.items():
+            for name, change in diffusers_deltas({key: delta}, arch).items():
+                target = tensors[name]
+                originals.setdefault(name, target.detach().clone())
+                target.copy_(target.to(torch.float32) + change.to(target.device))
+    return originals
 
 
 def _install(transformer: nn.Module, modules: dict[str, T5Attention]) -> list[RemovableHandle]:
@@ -179,7 +209,8 @@ def linearize(
         transformer: the diffusers SD3 / SD3.5 transformer.
         layers: layer spec (`"paper"`, `"all"`, `"joint:18-23,attn2:0-12"`, ...). Default: `"paper"`
             for fresh T5 modules, the file's layers when `weights` is given.
-        weights: a T5 weights file (path or loaded) to initialise from, `base.*` tensors included.
+        weights: a T5 weights file (path or loaded) to initialise from: its `base.*` tensors replace
+            the model's, its deltas add to them.
         variant: inner model for fresh modules (`"swiglu"` by default); must match a given file.
         key_norm_eps, locality, joint_mode, merge, neighborhood: T5 settings for fresh modules (a file
             brings its own); `joint_mode="hybrid"` keeps exact softmax wherever text takes part,
@@ -218,20 +249,29 @@ def linearize(
             name: T5Attention.from_config(config, arch.heads, arch.head_dim, layer=name, backend=backend)
             for name in names
         }
-        base = {}
+        base, deltas = {}, {}
     else:
-        state = functools.partial(_sd3_state, transformer, arch)
-        prepared = prepare(weights, arch, model_state=state, layers=layers, variant=variant, backend=backend)
-        config, modules, base = prepared.config, prepared.modules, sd3_to_diffusers(prepared.base, arch)
+        prepared = prepare(
+            weights,
+            arch,
+            model_state=functools.partial(_sd3_state, transformer, arch),
+            model_fingerprint=functools.partial(_fingerprint, transformer, arch),
+            layers=layers,
+            variant=variant,
+            backend=backend,
+        )
+        config, modules = prepared.config, prepared.modules
+        base, deltas = sd3_to_diffusers(prepared.base, arch), prepared.deltas
     original = transformer.attn_processors
-    replaced_base = _copy_into(transformer, base)
+    originals = _change(transformer, arch, values=base, deltas=deltas)
     hooks = _install(transformer, modules)
     names = ",".join(config.layers) or "none"
     logger.info(
-        "T5: converted %d of %d attention modules to %s T5 attention (%s)",
+        "T5: converted %d of %d attention modules to %s T5 attention (%s)%s",
         len(modules),
         len(original),
         config.variant,
         names,
+        f", {len(deltas)} deltas added" if deltas else "",
     )
-    return T5Handle(transformer, modules, config, arch, original, hooks, replaced_base)
+    return T5Handle(transformer, modules, config, arch, original, hooks, originals)

@@ -21,27 +21,33 @@ def write(tmp_path, *, base=None, variant="swiglu"):
 
 
 def no_state():
-    raise AssertionError("the model state is read only for a file with base.* tensors")
+    raise AssertionError("the model state is read only for a file with base.* tensors or deltas")
+
+
+def no_fingerprint():
+    raise AssertionError("the model's fingerprint is taken only for a file with a fingerprint")
 
 
 def test_prepare_builds_the_chosen_modules_from_the_file(tmp_path):
     path, modules = write(tmp_path)
-    prepared = prepare(path, ARCH, model_state=no_state, layers="joint:2", backend="torch")
+    prepared = prepare(
+        path, ARCH, model_state=no_state, model_fingerprint=no_fingerprint, layers="joint:2", backend="torch"
+    )
     assert isinstance(prepared, Prepared) and prepared.layers == ("blocks.2.attn",)
     assert prepared.config == T5Config("swiglu", 1.0, True, ("blocks.2.attn",)) and prepared.base == {}
     assert prepared.modules.keys() == {"blocks.2.attn"} and prepared.weights.path == str(path)
     for key, tensor in modules["blocks.2.attn"].state_dict().items():
         assert torch.equal(prepared.modules["blocks.2.attn"].state_dict()[key], tensor)
-    assert prepare(t5w.load(path), ARCH, model_state=no_state).layers == LAYERS
+    assert prepare(t5w.load(path), ARCH, model_state=no_state, model_fingerprint=no_fingerprint).layers == LAYERS
 
 
 def test_prepare_checks_base_tensors_against_the_model_state(tmp_path):
     path, _ = write(tmp_path, base={PROJ: torch.randn(16, 16)})
     fits = {PROJ: torch.empty(16, 16, device="meta")}
-    assert prepare(path, ARCH, model_state=lambda: fits).base.keys() == {PROJ}
+    assert prepare(path, ARCH, model_state=lambda: fits, model_fingerprint=no_fingerprint).base.keys() == {PROJ}
     misshapen = {PROJ: torch.empty(16, 8, device="meta")}
     with pytest.raises(t5w.T5WeightsError, match=r"t5\.safetensors: base tensor .* the model's is \(16, 8\)"):
-        prepare(path, ARCH, model_state=lambda: misshapen)
+        prepare(path, ARCH, model_state=lambda: misshapen, model_fingerprint=no_fingerprint)
 
 
 @pytest.mark.parametrize(
@@ -54,7 +60,7 @@ def test_prepare_checks_base_tensors_against_the_model_state(tmp_path):
 def test_prepare_refuses_what_the_file_cannot_serve(tmp_path, kwargs, match):
     path, _ = write(tmp_path)
     with pytest.raises(t5w.T5WeightsError, match=match):
-        prepare(path, ARCH, model_state=no_state, **kwargs)
+        prepare(path, ARCH, model_state=no_state, model_fingerprint=no_fingerprint, **kwargs)
 
 
 def test_a_fine_tuned_projection_brings_its_whole_fused_qkv():
