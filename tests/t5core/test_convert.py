@@ -1,23 +1,26 @@
-"""t5core.convert: a weights file made ready for a model (`prepare`), and `base.*` tensors from a
-diffusers-named state dict (`base_sources`, `base_tensors`)."""
+"""t5core.convert: a weights file made ready for a model (`prepare`, `check_fingerprint`), and `base.*`
+tensors from a diffusers-named state dict (`base_sources`, `base_tensors`)."""
+
+import logging
 
 import pytest
 import torch
 
 from t5core import BaseArch, T5Attention, T5Config
 from t5core import weights as t5w
-from t5core.convert import Prepared, base_sources, base_tensors, prepare
+from t5core.convert import Prepared, base_sources, base_tensors, check_fingerprint, prepare
+from t5core.deltas import Delta
 
 ARCH = BaseArch(depth=3, heads=2, head_dim=8, dual_attention_layers=(0, 1))
 LAYERS = ("blocks.0.attn2", "blocks.2.attn")
 PROJ = "joint_blocks.2.x_block.attn.proj.weight"
 
 
-def write(tmp_path, *, base=None, variant="swiglu"):
+def write(tmp_path, *, variant="swiglu", **changes):
     torch.manual_seed(0)
     modules = {name: T5Attention(2, 8, variant) for name in LAYERS}
     config = T5Config(variant, 1.0, True, ())
-    return t5w.save(tmp_path / "t5.safetensors", modules, arch=ARCH, config=config, base=base), modules
+    return t5w.save(tmp_path / "t5.safetensors", modules, arch=ARCH, config=config, **changes), modules
 
 
 def no_state():
@@ -48,6 +51,36 @@ def test_prepare_checks_base_tensors_against_the_model_state(tmp_path):
     misshapen = {PROJ: torch.empty(16, 8, device="meta")}
     with pytest.raises(t5w.T5WeightsError, match=r"t5\.safetensors: base tensor .* the model's is \(16, 8\)"):
         prepare(path, ARCH, model_state=lambda: misshapen, model_fingerprint=no_fingerprint)
+
+
+def test_prepare_checks_deltas_against_the_model_state_and_compares_fingerprints(tmp_path):
+    deltas = {PROJ: Delta(up=torch.randn(1, 16, 2), down=torch.randn(1, 2, 16))}
+    path, _ = write(tmp_path, deltas=deltas, fingerprint="0123456789abcdef")
+    fits = {PROJ: torch.empty(16, 16, device="meta")}
+    prepared = prepare(path, ARCH, model_state=lambda: fits, model_fingerprint=lambda: "0123456789abcdef")
+    assert prepared.deltas.keys() == {PROJ} and prepared.fingerprint_matches is True
+    assert torch.equal(prepared.deltas[PROJ].up, deltas[PROJ].up)
+    misshapen = {PROJ: torch.empty(32, 16, device="meta")}
+    with pytest.raises(t5w.T5WeightsError, match=r"low-rank delta .* is \(16, 16\), the model's is \(32, 16\)"):
+        prepare(path, ARCH, model_state=lambda: misshapen, model_fingerprint=no_fingerprint)
+
+
+def test_another_base_is_one_warning_naming_both_fingerprints_and_the_files_base(tmp_path, caplog):
+    deltas = {PROJ: Delta(diff=torch.randn(16, 16))}
+    path, _ = write(tmp_path, deltas=deltas, fingerprint="0123456789abcdef", provenance={"base": "sd3.5_medium"})
+    weights = t5w.load(path)
+    with caplog.at_level(logging.WARNING, logger="t5core"):
+        assert check_fingerprint(weights, lambda: "0123456789abcdef") is True
+        assert caplog.records == []
+        assert check_fingerprint(weights, lambda: "fedcba9876543210") is False
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    message = record.getMessage()
+    for part in ("t5.safetensors", "'sd3.5_medium'", "0123456789abcdef", "fedcba9876543210", "adding its 1 deltas"):
+        assert part in message, message
+    assert "results may differ" in message
+    plain, _ = write(tmp_path)
+    assert check_fingerprint(t5w.load(plain), no_fingerprint) is None
 
 
 @pytest.mark.parametrize(

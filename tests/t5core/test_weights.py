@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from t5core import BaseArch, T5Attention, T5Config
 from t5core import weights as t5w
+from t5core.deltas import Delta
 
 ARCH = BaseArch(depth=3, heads=2, head_dim=8, dual_attention_layers=(0, 1))
 LAYERS = ("blocks.0.attn2", "blocks.2.attn")
@@ -315,6 +316,132 @@ def test_save_refuses_a_module_that_does_not_fit(tmp_path):
         t5w.save(tmp_path / "x.safetensors", modules, arch=ARCH, config=T5Config())
     with pytest.raises(ValueError, match=".safetensors"):
         t5w.save(tmp_path / "x.pt", make_modules(), arch=ARCH, config=T5Config())
+
+
+QKV = "joint_blocks.2.x_block.attn.qkv.weight"
+PROJ_BIAS = "joint_blocks.2.x_block.attn.proj.bias"
+FINGERPRINT = "0123456789abcdef"
+
+
+def _deltas(dtype=torch.float32) -> dict[str, Delta]:
+    generator = torch.Generator().manual_seed(4)
+    return {
+        QKV: Delta(up=torch.randn(3, 16, 2, generator=generator), down=torch.randn(3, 2, 16, generator=generator)),
+        PROJ_BIAS: Delta(diff=torch.randn(16, generator=generator)),
+        "joint_blocks.0.x_block.attn2.ln_q.weight": Delta(diff=torch.randn(8, generator=generator).to(dtype)),
+    }
+
+
+def _model_state(**shapes) -> dict[str, torch.Tensor]:
+    state = {QKV: (48, 16), PROJ_BIAS: (16,), "joint_blocks.0.x_block.attn2.ln_q.weight": (8,), **shapes}
+    return {key: torch.empty(shape, device="meta") for key, shape in state.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_deltas_and_the_fingerprint_round_trip_bit_for_bit_as_version_4(tmp_path, dtype):
+    deltas = _deltas(dtype)
+    path, _ = write(tmp_path, deltas=deltas, fingerprint=FINGERPRINT, provenance={"base": "sd3.5_medium"})
+    metadata, tensors = _raw(path)
+    assert (metadata["t5.format_version"], metadata["t5.base_fingerprint"]) == ("4", FINGERPRINT)
+    assert {key for key in tensors if not key.startswith("blocks.")} == {
+        f"delta.{QKV}.up",
+        f"delta.{QKV}.down",
+        f"delta.{PROJ_BIAS}.diff",
+        "delta.joint_blocks.0.x_block.attn2.ln_q.weight.diff",
+    }
+    loaded = t5w.load(path)
+    assert (loaded.fingerprint, loaded.base, loaded.provenance["base"]) == (FINGERPRINT, {}, "sd3.5_medium")
+    assert loaded.deltas.keys() == deltas.keys()
+    for key, delta in deltas.items():
+        stored = loaded.deltas[key].stored()
+        assert stored.keys() == delta.stored().keys()
+        assert all(stored[form].dtype == t.dtype and torch.equal(stored[form], t) for form, t in delta.stored().items())
+    t5w.check_base(loaded, _model_state())
+
+
+def test_a_fingerprint_alone_makes_version_4_and_files_without_one_load_without_one(tmp_path):
+    path, _ = write(tmp_path, fingerprint=FINGERPRINT)
+    assert _format(path)["t5.format_version"] == "4" and t5w.load(path).fingerprint == FINGERPRINT
+    path, _ = write(tmp_path, name="plain.safetensors")
+    assert "t5.base_fingerprint" not in _format(path)
+    assert (t5w.load(path).fingerprint, t5w.load(path).deltas) == (None, {})
+
+
+def test_save_refuses_base_tensors_beside_deltas(tmp_path):
+    base = {"joint_blocks.2.x_block.attn.proj.weight": torch.randn(16, 16)}
+    for changes in ({"deltas": _deltas()}, {"fingerprint": FINGERPRINT}):
+        with pytest.raises(ValueError, match="a file holds one of them. Pass the trained changes as deltas="):
+            t5w.save(tmp_path / "x.safetensors", make_modules(), arch=ARCH, config=T5Config(), base=base, **changes)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "replace, match",
+    [
+        pytest.param(
+            {"base.joint_blocks.2.x_block.attn.proj.weight": torch.zeros(16, 16)},
+            r"is format version 4, which stores .* also holds base\.\* tensors .*re-export it .*not both",
+            id="base-in-v4",
+        ),
+        pytest.param(
+            {f"delta.{QKV}.up": torch.zeros(3, 16, 3)},
+            r"delta '.*qkv\.weight': .*need the same parts and rank",
+            id="rank",
+        ),
+        pytest.param(
+            {f"delta.{QKV}.down": torch.zeros(1, 2, 16)}, r"delta '.*qkv\.weight': .*same parts and rank", id="parts"
+        ),
+        pytest.param({f"delta.{QKV}.diff": torch.zeros(48, 16)}, "exactly one form", id="two-forms"),
+        pytest.param({f"delta.{QKV}.up": torch.zeros(48, 2)}, "must be 3-D", id="2d-factor"),
+        pytest.param({f"delta.{QKV}.mid": torch.zeros(2, 2)}, r"'delta\..*\.mid', which is not a delta", id="form"),
+        pytest.param({f"delta.{PROJ_BIAS}.diff": torch.full((16,), float("nan"))}, "16 NaN values", id="nan"),
+        pytest.param({f"delta.{QKV}.up": torch.zeros(3, 16, 2, dtype=torch.float64)}, "is float64", id="float64"),
+    ],
+)
+def test_a_bad_version_4_file_is_refused_naming_the_problem(tmp_path, replace, match):
+    path, _ = write(tmp_path, deltas=_deltas(), fingerprint=FINGERPRINT)
+    rewrite(path, replace=replace)
+    with pytest.raises(t5w.T5WeightsError, match=r"^t5\.safetensors: ") as error:
+        t5w.load(path)
+    assert re.search(match, str(error.value)), error.value
+
+
+def test_a_factor_without_its_partner_is_refused(tmp_path):
+    path, _ = write(tmp_path, deltas=_deltas())
+    rewrite(path, drop={f"delta.{QKV}.down"})
+    with pytest.raises(t5w.T5WeightsError, match=r"delta '.*qkv\.weight': a low-rank delta has up but no down"):
+        t5w.load(path)
+
+
+def test_delta_tensors_in_an_older_version_are_refused(tmp_path):
+    path, _ = write(tmp_path, deltas=_deltas())
+    rewrite(path, metadata={"t5.format_version": "3"})
+    with pytest.raises(t5w.T5WeightsError, match=r"holds delta\.\* tensors .*but says it is version 3"):
+        t5w.load(path)
+
+
+@pytest.mark.parametrize(
+    "model_state, match",
+    [
+        pytest.param(
+            _model_state(**{QKV: (96, 16)}),
+            r"low-rank delta '.*qkv\.weight' \(3 parts of rank 2\) is \(48, 16\), the model's is \(96, 16\)\. Use",
+            id="low-rank",
+        ),
+        pytest.param(
+            _model_state(**{PROJ_BIAS: (32,)}), r"delta '.*proj\.bias' is \(16,\), the model's is \(32,\)", id="diff"
+        ),
+        pytest.param(
+            {key: t for key, t in _model_state().items() if key != PROJ_BIAS},
+            r"delta '.*proj\.bias' is not a weight of this model\. .*another model variant",
+            id="absent",
+        ),
+    ],
+)
+def test_deltas_must_change_model_tensors_of_their_shape(tmp_path, model_state, match):
+    path, _ = write(tmp_path, deltas=_deltas())
+    with pytest.raises(t5w.T5WeightsError, match=r"^t5\.safetensors: " + match):
+        t5w.check_base(t5w.load(path), model_state)
 
 
 LEGACY = Path(__file__).parent / "data"
