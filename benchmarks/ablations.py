@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -90,12 +91,43 @@ class Row:
     """Replaces the recipe's new-parameter multiplier (None keeps it)."""
     schedule: Literal["constant", "cosine"] | None = None
     """Replaces the recipe's schedule after warm-up (None keeps it)."""
+    trainer_flags: tuple[str, ...] | None = None
+    """Trains with the trainer itself (`python trainer/run.py` with these flags, the seed as
+    `--training.seed`) instead of the sweep's loop; the other fields and the sweep's budget do not apply,
+    and the time is the trainer's whole run (transfer, fine-tune, export)."""
 
     @property
     def is_teacher(self) -> bool:
         """The shipped teacher as it is: no randomness, and its samples are the cached reference's."""
         return self.attention == "softmax" and not self.finetune
 
+
+_ALL_HYBRID = ("--model.layers", "all", "--model.joint_mode", "hybrid")
+FRONTIER_ROWS: tuple[Row, ...] = (
+    Row("run-paper", "trainer default run: paper spec, 120 full fine-tune steps (the time reference)", trainer_flags=()),
+    Row("run-all-hybrid", "trainer: `all` hybrid, 120 full fine-tune steps", trainer_flags=_ALL_HYBRID),
+    Row(
+        "run-all-hybrid-4x",
+        "trainer: `all` hybrid, 480 full fine-tune steps",
+        trainer_flags=(*_ALL_HYBRID, "--training.steps", "480"),
+    ),
+    Row(
+        "run-all-hybrid-transfer",
+        "trainer: `all` hybrid, attention transfer only (120 steps)",
+        trainer_flags=(*_ALL_HYBRID, "--transfer.steps", "120", "--training.steps", "0"),
+    ),
+    Row(
+        "run-all-hybrid-transfer-r16-0.5x",
+        "trainer: `all` hybrid, transfer (120 steps), then a rank-16 fine-tune of 60 steps",
+        trainer_flags=(*_ALL_HYBRID, "--transfer.steps", "120", "--model.rank", "16", "--training.steps", "60"),
+    ),
+    Row(
+        "run-all-hybrid-transfer-r16-1x",
+        "trainer: `all` hybrid, transfer (120 steps), then a rank-16 fine-tune of 120 steps",
+        trainer_flags=(*_ALL_HYBRID, "--transfer.steps", "120", "--model.rank", "16"),
+    ),
+)
+"""The frontier of full linear time on the toy: quality against total training time, each row a trainer run."""
 
 ROWS: tuple[Row, ...] = (
     Row("teacher", "softmax teacher, no fine-tune (reference)", attention="softmax", finetune=False),
@@ -138,6 +170,7 @@ ROWS: tuple[Row, ...] = (
         neighborhood=5,
     ),
     Row("new-x10", "T5 full, new parameters at 10x instead of 20x", new_lr_mult=10.0),
+    *FRONTIER_ROWS,
     Row("constant-lr", "T5 full, constant learning rate after warm-up instead of cosine", schedule="constant"),
 )
 
@@ -244,13 +277,37 @@ class EvalPlan:
     wide_rows: tuple[str, ...]
 
 
+def train_with_trainer(row: Row, seed: int) -> tuple[nn.Module, tuple[str, ...], float]:
+    """A row trained by the trainer (`Row.trainer_flags`) in a temporary folder: the model, its converted
+    modules and the last fine-tune loss (nan for a transfer-only run)."""
+    from trainer.cli import parse_args
+    from trainer.train import run as train
+
+    with tempfile.TemporaryDirectory(prefix="t5-ablation-") as folder:
+        config = parse_args(
+            [
+                *row.trainer_flags,
+                "--training.seed", str(seed),
+                "--output.dir", folder,
+                "--output.toy_eval_samples", "0",
+                "--output.progress", "false",
+                "--checkpoint.every", "0",
+            ]
+        )  # fmt: skip
+        result = train(config)
+    return result.handle.model.eval(), result.handle.config.layers, result.last.get("loss/total", float("nan"))
+
+
 def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_raw: torch.Tensor) -> dict:
     """One row, one seed: build, fine-tune, evaluate against the teacher's unclamped samples `teacher_raw`
     (the teacher row reuses them instead of sampling again)."""
     start = time.perf_counter()
-    model, new, names = build(row, seed)
-    teacher = load_toy_base() if row.distill else None
-    final_loss = finetune(model, new, budget, seed=seed, teacher=teacher, row=row) if row.finetune else float("nan")
+    if row.trainer_flags is not None:
+        model, names, final_loss = train_with_trainer(row, seed)
+    else:
+        model, new, names = build(row, seed)
+        teacher = load_toy_base() if row.distill else None
+        final_loss = finetune(model, new, budget, seed=seed, teacher=teacher, row=row) if row.finetune else float("nan")
     train_seconds = time.perf_counter() - start
     teacher_images = teacher_raw.clamp(0.0, 1.0)
     with torch.no_grad():

@@ -1,21 +1,22 @@
-"""How big is a T5 weights file? Per model and `--model.trainable`, with the `base.*` tensors in the
-base checkpoint's precision (`--output.base_dtype base`, the default) and in fp32.
+"""How big is a T5 weights file? Per model, layer spec, `--model.trainable` and `--model.rank`, with the
+deltas in the base checkpoint's precision (`--output.base_dtype base`, the default) and in fp32.
 
     python -m benchmarks.bench_file_size [--json]
     python -m benchmarks.bench_file_size --toy-weights runs/toy/t5.safetensors [--samples 180] [--json]
 
 Builds each model on the meta device (no weights: the toy from its config, SD3.5 Medium and Large
-from the shipped configs), converts it with the `paper` layer spec and splits the parameters as the
-trainer does (`trainer.model.split_parameters`). The file holds the new T5 parameters in fp32 and, as
-`base.*`, every SD3 tensor holding a trained inherited weight (`t5core.convert.base_sources`, what the
-export writes: all of a fused qkv when its q trains). Sizes are tensor bytes; the safetensors header
+from the shipped configs), converts it with the `paper` spec and with `all` hybrid (full linear time),
+splits the parameters as the trainer does (`trainer.model.split_parameters`) and builds the deltas the
+export would write (`trainer.export`: rank-r factors for each trained weight matrix under `--model.rank r`,
+full deltas otherwise and for vectors, fused qkv completed) from meta tensors of the right shapes. The
+file holds the new T5 parameters in fp32 and those deltas. Sizes are tensor bytes; the safetensors header
 adds a few KiB. The base precision is the toy file's (float16, read by
 `trainer.model.base_checkpoint_dtype`) and 16-bit for the released SD3.5 checkpoints (float16 or
 bfloat16: two bytes either way). Before counting, the SD3.5 parameter totals are checked against the
 released models; a mismatch prints FAIL instead of sizes.
 
 `--toy-weights` also measures what the smaller file costs on the toy: a toy T5 file exported with fp32
-`base.*` (`python trainer/run.py --output.base_dtype fp32`) is re-saved with its `base.*` rounded to the
+deltas (`python trainer/run.py --output.base_dtype fp32`) is re-saved with its deltas rounded to the
 toy's float16, and both files are loaded into the toy base and scored the same way (ToyEval on
 `--samples` captions from the same noise, and the validation loss on its fixed batches), with the RMS
 pixel difference between the two sets of samples.
@@ -24,6 +25,7 @@ pixel difference between the two sets of samples.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import tempfile
 from pathlib import Path
@@ -32,12 +34,17 @@ import torch
 
 from benchmarks.bench_trainer_memory import PUBLISHED_PARAMS, meta_model
 from benchmarks.timing import header_line, write_json
-from t5core.convert import base_sources
+from t5core.deltas import sd3_deltas
 from t5core.hosts.diffusers import linearize
 from trainer.config import ModelConfig, OptimConfig
+from trainer.export import complete_fused
+from trainer.low_rank import low_rank_names
 from trainer.model import base_checkpoint_dtype, split_parameters
 
-TRAINABLE = ("t5", "attention", "all")
+SPECS = {"paper": {"layers": "paper"}, "all hybrid": {"layers": "all", "joint_mode": "hybrid"}}
+"""The layer specs measured: the paper's, and full linear time."""
+CHOICES = (("t5", 0), ("attention", 0), ("attention", 16), ("all", 0), ("all", 16))
+"""(`--model.trainable`, `--model.rank`) pairs: 0 = full deltas."""
 SD35_BASE_DTYPE = "16-bit"
 """The released SD3.5 checkpoints store their weights in two bytes each (float16 or bfloat16)."""
 
@@ -51,37 +58,56 @@ def _toy_model():
         return SD3Transformer2DModel(**TOY_CONFIG)
 
 
+def delta_elements(handle, split, rank: int) -> int:
+    """Elements of the deltas the export writes for this split at `--model.rank rank` (0: full)."""
+    params = dict(handle.model.named_parameters())
+    matrices = low_rank_names(handle.model, split.inherited) if rank else ()
+    low_rank = {}
+    for name in matrices:
+        rows, cols = params[name].shape
+        r = min(rank, rows, cols)
+        low_rank[name] = (torch.empty(rows, r, device="meta"), torch.empty(r, cols, device="meta"))
+    full = {name: torch.empty(params[name].shape, device="meta") for name in split.inherited if name not in low_rank}
+    complete_fused(low_rank, full, handle.arch)
+    deltas = sd3_deltas(full, low_rank, handle.arch)
+    return sum(t.numel() for delta in deltas.values() for t in delta.stored().values())
+
+
 def file_sizes(model, *, base_bytes: int) -> list[dict]:
-    """One row per `--model.trainable` choice: parameter counts and tensor bytes of the exported file."""
+    """One row per layer spec and (`--model.trainable`, `--model.rank`): parameter counts and tensor bytes."""
     rows = []
-    for trainable in TRAINABLE:
-        handle = linearize(model, layers="paper")
-        split = split_parameters(handle, ModelConfig(trainable=trainable), OptimConfig())
-        params = dict(handle.model.named_parameters())
-        new = sum(params[name].numel() for name in split.new)
-        base = sum(params[name].numel() for name in base_sources(handle.arch, params=split.inherited))
-        handle.remove()
-        rows.append(
-            {
-                "trainable": trainable,
-                "t5_params": new,
-                "base_params": base,
-                "bytes_fp32": 4 * (new + base),
-                "bytes_base": 4 * new + base_bytes * base,
-            }
-        )
+    for spec, settings in SPECS.items():
+        for trainable, rank in CHOICES:
+            handle = linearize(model, **settings)
+            split = split_parameters(handle, ModelConfig(trainable=trainable), OptimConfig())
+            params = dict(handle.model.named_parameters())
+            new = sum(params[name].numel() for name in split.new)
+            deltas = delta_elements(handle, split, rank)
+            handle.remove()
+            rows.append(
+                {
+                    "layers": spec,
+                    "modules": len(handle.modules),
+                    "trainable": trainable,
+                    "rank": rank,
+                    "t5_params": new,
+                    "delta_params": deltas,
+                    "bytes_fp32": 4 * (new + deltas),
+                    "bytes_base": 4 * new + base_bytes * deltas,
+                }
+            )
     return rows
 
 
 def toy_cost(path: Path, *, samples: int) -> tuple[list[dict], float]:
-    """ToyEval and validation loss of a toy T5 file as written (fp32 `base.*`) and with its `base.*`
-    rounded to the toy's precision.
+    """ToyEval and validation loss of a toy T5 file as written (fp32 deltas) and with its deltas rounded
+    to the toy's precision.
 
     Returns:
         One row per precision, and the RMS pixel difference between their samples.
 
     Raises:
-        ValueError: the file has no `base.*`, or not in fp32.
+        ValueError: the file has no deltas, or not in fp32.
     """
     from t5core import weights as t5w
     from t5core.hosts.diffusers import linearize as linearize_diffusers
@@ -89,12 +115,17 @@ def toy_cost(path: Path, *, samples: int) -> tuple[list[dict], float]:
     from trainer.toy.model import load_toy_base
 
     loaded = t5w.load(path)
-    if not loaded.base or any(t.dtype != torch.float32 for t in loaded.base.values()):
+    stored = [t for delta in loaded.deltas.values() for t in delta.stored().values()]
+    if not stored or any(t.dtype != torch.float32 for t in stored):
         raise ValueError(
-            f"{path}: --toy-weights needs a toy file with fp32 base.* tensors; train one with "
+            f"{path}: --toy-weights needs a toy file with fp32 deltas; train one with "
             "`python trainer/run.py --output.base_dtype fp32`."
         )
     dtype = base_checkpoint_dtype(ModelConfig())
+    rounded_deltas = {
+        key: dataclasses.replace(delta, **{name: t.to(dtype) for name, t in delta.stored().items()})
+        for key, delta in loaded.deltas.items()
+    }
     rows, images = [], []
     with tempfile.TemporaryDirectory(prefix="t5-file-size-") as temp:
         rounded = t5w.save(
@@ -102,14 +133,15 @@ def toy_cost(path: Path, *, samples: int) -> tuple[list[dict], float]:
             t5w.build_modules(loaded, loaded.config.layers),
             arch=loaded.arch,
             config=loaded.config,
-            base={key: tensor.to(dtype) for key, tensor in loaded.base.items()},
+            deltas=rounded_deltas,
+            fingerprint=loaded.fingerprint,
             provenance=loaded.provenance,
         )
         for name, file in (("float32", path), (str(dtype).removeprefix("torch."), rounded)):
             student = linearize_diffusers(load_toy_base(), weights=file).model.eval()
             score, sampled = toy_eval(student, count=samples)
             images.append(sampled)
-            row = {"base_dtype": name, "file_bytes": file.stat().st_size, **score.as_dict()}
+            row = {"delta_dtype": name, "file_bytes": file.stat().st_size, **score.as_dict()}
             rows.append(row | {"val_loss": validation_loss(student)})
     return rows, teacher_distance(images[1], images[0])
 
@@ -121,14 +153,17 @@ def _size(count: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="write benchmarks/results/file_size.json")
-    parser.add_argument("--toy-weights", type=Path, help="a toy T5 file with fp32 base.*: measure the cost")
+    parser.add_argument("--toy-weights", type=Path, help="a toy T5 file with fp32 deltas: measure the cost")
     parser.add_argument("--samples", type=int, default=180, help="ToyEval captions for --toy-weights")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
     print(header_line())
-    print("T5 weights file, paper layers: T5 parameters in fp32, base.* in the base's precision or fp32")
-    print(f"{'model':13} {'trainable':10} {'T5 params':>10} {'base params':>12} {'fp32 base':>11} {'base dtype':>18}")
+    print("T5 weights file: T5 parameters in fp32, deltas of trained inherited weights in the base's precision or fp32")
+    print(
+        f"{'model':13} {'layers':10} {'trainable':10} {'rank':>4} {'T5 params':>10} {'delta params':>13} "
+        f"{'fp32 deltas':>11} {'base dtype':>18}"
+    )
     toy_dtype = str(base_checkpoint_dtype(ModelConfig())).removeprefix("torch.")
     models = {"toy": (_toy_model, toy_dtype, torch.finfo(getattr(torch, toy_dtype)).bits // 8)}
     models.update({name: (lambda name=name: meta_model(name), SD35_BASE_DTYPE, 2) for name in PUBLISHED_PARAMS})
@@ -143,18 +178,19 @@ def main() -> None:
             row = {"model": name, "base_dtype": dtype, **row}
             rows.append(row)
             print(
-                f"{name:13} {row['trainable']:10} {row['t5_params'] / 1e6:9.2f}M {row['base_params'] / 1e6:11.1f}M "
+                f"{name:13} {row['layers']:10} {row['trainable']:10} {row['rank'] or 'full':>4} "
+                f"{row['t5_params'] / 1e6:9.2f}M {row['delta_params'] / 1e6:12.1f}M "
                 f"{_size(row['bytes_fp32']):>11} {_size(row['bytes_base']) + ' (' + dtype + ')':>18}"
             )
-    meta: dict = {"layers": "paper", "sd35_base_dtype": SD35_BASE_DTYPE}
+    meta: dict = {"specs": SPECS, "sd35_base_dtype": SD35_BASE_DTYPE}
     if args.toy_weights is not None:
         cost, distance = toy_cost(args.toy_weights, samples=args.samples)
         print(f"\ntoy cost of the smaller file: {args.toy_weights}, ToyEval on {args.samples} captions, same noise")
         columns = ("overall", "color", "shape", "position", "size")
-        print(f"{'base.*':8} {'file':>9} " + " ".join(f"{name:>8}" for name in columns) + f" {'val loss':>9}")
+        print(f"{'deltas':8} {'file':>9} " + " ".join(f"{name:>8}" for name in columns) + f" {'val loss':>9}")
         for row in cost:
             scores = " ".join(f"{row[name]:8.3f}" for name in columns)
-            print(f"{row['base_dtype']:8} {_size(row['file_bytes']):>9} {scores} {row['val_loss']:9.6f}")
+            print(f"{row['delta_dtype']:8} {_size(row['file_bytes']):>9} {scores} {row['val_loss']:9.6f}")
         print(f"RMS pixel difference between the two files' samples: {distance:.4f}")
         meta.update(toy_weights=str(args.toy_weights), toy_cost=cost, toy_sample_rms_difference=distance)
     if args.json:

@@ -37,7 +37,16 @@ from trainer.config import TrainConfig
 from trainer.distributed import World
 from trainer.optim import strip_wrapper_prefix
 
-__all__ = ["CheckpointManager", "Resume", "RunAlreadyFinished", "Start", "resume_from", "resume_path"]
+__all__ = [
+    "CheckpointManager",
+    "Resume",
+    "RunAlreadyFinished",
+    "Start",
+    "check_resume_config",
+    "read_state",
+    "resume_from",
+    "resume_path",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +59,13 @@ _RESUME_KEYS = (
     "model.key_norm_eps",
     "model.locality",
     "model.trainable",
+    "model.rank",
+    "model.alpha",
     "model.joint_mode",
     "model.merge",
     "model.neighborhood",
+    "transfer.lr",
+    "transfer.timesteps",
     "data.source",
     "data.path",
     "training.batch_size",
@@ -110,7 +123,7 @@ def _trained_seconds(state: dict[str, Any]) -> float:
     return float(state.get("trained_seconds", 0.0))
 
 
-def _read_state(path: Path) -> dict[str, Any]:
+def read_state(path: Path) -> dict[str, Any]:
     """A checkpoint's `state.json`.
 
     Raises:
@@ -251,7 +264,7 @@ class CheckpointManager:
             FileNotFoundError: `path` is not a complete checkpoint.
         """
         path = Path(path)
-        state = _read_state(path) if state is None else state
+        state = read_state(path) if state is None else state
         # Every rank reads the full trained state and keeps its part. (broadcast_from_rank0 would spare
         # the other ranks the read, but it deadlocks under FSDP2 with gloo in torch 2.14.)
         model_state = load_file(str(path / "model.safetensors"))
@@ -314,7 +327,7 @@ def resume_path(config: TrainConfig, checkpoints: CheckpointManager) -> Resume |
             "--output.dir."
         )
     path = Path(mode).expanduser() if mode != "auto" else checkpoints.latest()
-    chosen = Resume(path, _read_state(path))
+    chosen = Resume(path, read_state(path))
     if mode == "auto":
         wanted = config.training.steps
         finished = _finished(config, chosen.state, steps[-1])
@@ -333,7 +346,7 @@ def resume_path(config: TrainConfig, checkpoints: CheckpointManager) -> Resume |
                 "nothing was changed. Raise --training.steps to at least that, pass --checkpoint.resume force to "
                 "train again from the start, or choose another --output.dir."
             )
-    _check_resume_config(chosen.state["config"], config)
+    check_resume_config(chosen.state["config"], config)
     return chosen
 
 
@@ -352,7 +365,7 @@ def _flat(config: TrainConfig) -> dict[str, object]:
     return {f"{section}.{key}": value for section, fields in asdict(config).items() for key, value in fields.items()}
 
 
-def _check_resume_config(saved_text: str, config: TrainConfig) -> None:
+def check_resume_config(saved_text: str, config: TrainConfig) -> None:
     saved, now = _flat(config_from_toml_text(saved_text)), _flat(config)
     differ = [
         f"--{key} {saved[key]!r} -> {now[key]!r}" for key in saved if key in _RESUME_KEYS and saved[key] != now[key]

@@ -29,6 +29,7 @@ __all__ = [
     "ParallelConfig",
     "TrainConfig",
     "TrainingConfig",
+    "TransferConfig",
 ]
 
 COMFYUI_CHECKPOINTS = "models/checkpoints"
@@ -102,6 +103,12 @@ class ModelConfig:
     """What trains: `t5` = only the new T5 parameters (inherited weights frozen); `attention` = also
     the inherited projections and q/k norms of the converted modules; `all` = the whole transformer
     (the toy preset: the rest of the network adapts to the new attention)."""
+    rank: int = 0
+    """0 = the inherited weights that train (`--model.trainable`) train in full; r > 0 = each such weight
+    matrix keeps its base value and learns a rank-r delta beside it (LoRA), while vectors (biases, norm
+    scales) and the new T5 parameters train in full. The weights file stores the deltas either way."""
+    alpha: float = 0.0
+    """With `--model.rank r`: the low-rank delta is scaled by alpha / r; 0 = r (scale 1)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.base), "model.base", "give `toy`, a diffusers folder or a .safetensors checkpoint.")
@@ -116,6 +123,14 @@ class ModelConfig:
             self.merge == "cumulant" or self.joint_mode == "hybrid",
             "model.merge",
             f"`{self.merge}` weighs text against images in hybrid joint attention; add --model.joint_mode hybrid.",
+        )
+        _require(self.rank >= 0, "model.rank", f"must be 0 (full) or a positive rank; got {self.rank}.")
+        _require(self.alpha >= 0, "model.alpha", f"must not be negative (0 = the rank); got {self.alpha}.")
+        _require(
+            self.rank == 0 or self.trainable != "t5",
+            "model.rank",
+            "low-rank deltas train inherited weights, but --model.trainable t5 freezes them; use "
+            "--model.trainable attention or all, or --model.rank 0.",
         )
         _require(
             is_neighborhood(self.neighborhood),
@@ -263,6 +278,28 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class TransferConfig:
+    """Attention transfer, a stage before the fine-tune: each converted module's new T5 parameters learn to
+    reproduce its softmax output on the softmax model's own activations (docs/training.md)."""
+
+    steps: int = 0
+    """Transfer steps (0 = no transfer); each runs the softmax model once, without gradients, over a
+    `--training.batch_size` batch, and trains every converted module on its own inputs and output."""
+    lr: float = 1e-3
+    """Learning rate of the T5 parameters during the transfer (AdamW, linear warm-up, cosine decay to 0)."""
+    warmup_steps: int = 5
+    """Linear warm-up steps of the transfer's learning rate."""
+    timesteps: Literal["uniform", "logit_normal"] = "uniform"
+    """How each sample's noise level is drawn: `uniform` across the whole schedule (then through
+    `--loss.shift`), or the fine-tune's logit-normal density (`--loss.logit_mean`, `--loss.logit_std`)."""
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 0, "transfer.steps", "must not be negative (0 = no transfer).")
+        _require(self.lr > 0, "transfer.lr", "must be positive.")
+        _require(self.warmup_steps >= 0, "transfer.warmup_steps", "must not be negative.")
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainingConfig:
     """Batch, length, precision and seeding of the run."""
 
@@ -286,7 +323,7 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, "training.batch_size", "must be at least 1.")
-        _require(self.steps >= 1, "training.steps", "must be at least 1.")
+        _require(self.steps >= 0, "training.steps", "must not be negative (0 = no fine-tune, with --transfer.steps).")
         _require(self.max_minutes >= 0, "training.max_minutes", "must not be negative.")
         _require(self.threads >= 0, "training.threads", "must not be negative.")
 
@@ -394,10 +431,18 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.training.steps > 0 or self.transfer.steps > 0,
+            "training.steps",
+            "is 0 and so is --transfer.steps: nothing would train. Give either a positive number of steps.",
+        )
 
     @staticmethod
     def sections() -> tuple[str, ...]:

@@ -1,10 +1,11 @@
-"""Final export: the T5 weights file (with `base.*` for fine-tuned inherited weights) and the run report.
+"""Final export: the T5 weights file (T5 parameters, and deltas for trained inherited weights) and the run report.
 
 Under FSDP2 the live parameters are shards, so the handle cannot be saved as it stands: every rank
-takes part in gathering the full tensors it needs (the T5 parameters, the trained inherited weights
-and the untrained parts that share an SD3 tensor with them, such as the rest of a fused qkv), and
-rank 0 writes the file through `t5core.weights.save`. Which inherited tensors go in, and their SD3
-names, come from `t5core.convert.base_sources` / `base_tensors`. DDP and one process take the same path.
+takes part in gathering the full tensors it needs (the T5 parameters and the trained inherited ones,
+low-rank factors included), and rank 0 writes the file through `t5core.weights.save`. An inherited
+weight's change is stored as a delta, never as its value, so the file adds to whatever base a host is
+given (`t5core.deltas`): the factors of a low-rank delta, or the trained value minus the base value that
+`record_base` kept before training. DDP and one process take the same path.
 
 `export_run`, `run_report` and `publish` are the trainer's last steps. With `--output.comfyui`, `comfyui_target`
 checks the ComfyUI folder before training and `install_in_comfyui` copies the file and its model card into
@@ -27,12 +28,15 @@ from torch import Tensor, nn
 
 from t5core.atomic import write_atomic, write_bytes_atomic, write_text_atomic
 from t5core.attention import T5Attention, file_name
-from t5core.convert import base_sources, base_tensors
+from t5core.config import BaseArch
+from t5core.deltas import Delta, sd3_deltas
 from t5core.hosts.diffusers import T5Handle
+from t5core.sd3_keys import key_rules
 from t5core.weights import save
 from trainer.config import OutputConfig, TrainConfig
 from trainer.distributed import World
 from trainer.hub import HubTarget, push_to_hub
+from trainer.low_rank import factor_names
 from trainer.model import ParamSplit, base_checkpoint_dtype
 from trainer.model_card import RUN_CARD, base_digests, card_name, model_card, sha256_file
 
@@ -41,11 +45,14 @@ if TYPE_CHECKING:
     from trainer.memory import MemoryPlan
 
 __all__ = [
+    "BaseRecord",
     "ComfyTarget",
+    "complete_fused",
     "comfyui_target",
     "export_run",
     "install_in_comfyui",
     "publish",
+    "record_base",
     "run_report",
     "t5_parameter_names",
     "write_report",
@@ -82,20 +89,87 @@ def _gather(model: nn.Module, names: list[str]) -> dict[str, Tensor]:
     return out
 
 
-def export_run(config: TrainConfig, handle: T5Handle, split: ParamSplit, world: World, *, steps: int) -> Path:
+@dataclass(frozen=True)
+class BaseRecord:
+    """What the export needs of the base as loaded, taken before training changes it (on rank 0).
+
+    Attributes:
+        fingerprint: `t5core.deltas.fingerprint` of the base, stored in the file so a host can tell
+            when it is given another base (a fine-tune of it, say).
+        originals: the base values of the inherited parameters that train in full, on the CPU in the
+            base checkpoint's precision (which holds them exactly); their change is a full delta.
+    """
+
+    fingerprint: str
+    originals: dict[str, Tensor]
+
+
+def record_base(config: TrainConfig, handle: T5Handle, split: ParamSplit, world: World, *, fingerprint: str) -> BaseRecord:
+    """The `BaseRecord` of a converted model whose parameters have their roles but have not trained."""
+    if not world.is_main:
+        return BaseRecord(fingerprint, {})
+    dtype = base_checkpoint_dtype(config.model)
+    params = dict(handle.model.named_parameters())
+    full = [name for name in split.inherited if name in params and not _is_factor(name)]
+    return BaseRecord(fingerprint, {name: params[name].detach().to("cpu", dtype, copy=True) for name in full})
+
+
+def _is_factor(name: str) -> bool:
+    return ".parametrizations." in name
+
+
+def complete_fused(low_rank: dict[str, tuple[Tensor, Tensor]], full: dict[str, Tensor], arch: BaseArch) -> None:
+    """Complete, in place, every fused qkv that changed in part (the last block's text q is frozen): each
+    part without a delta gets a zero one in the form of a sibling's (q, k and v have one shape), so the
+    fused tensor stays low rank where its trained parts are."""
+    for rule in key_rules(arch):
+        present = [name for name in rule.diffusers if name in low_rank or name in full]
+        if not present or len(present) == len(rule.diffusers):
+            continue
+        for name in set(rule.diffusers) - set(present):
+            if present[0] in low_rank:
+                up, down = low_rank[present[0]]
+                low_rank[name] = (torch.zeros_like(up), torch.zeros_like(down))
+            else:
+                full[name] = torch.zeros_like(full[present[0]])
+
+
+def _deltas(
+    handle: T5Handle, split: ParamSplit, record: BaseRecord, tensors: dict[str, Tensor], dtype: torch.dtype
+) -> dict[str, Delta]:
+    """The trained changes of the inherited weights as SD3-named `Delta`s, in `dtype`."""
+    modules = dict(handle.model.named_modules())
+    low_rank = {}
+    for weight in split.low_rank:
+        up, down = factor_names(weight)
+        scale = modules[weight.removesuffix(".weight")].parametrizations.weight[0].scale
+        low_rank[weight] = (scale * tensors[up], tensors[down])
+    full = {name: tensors[name] - base.float() for name, base in record.originals.items()}
+    # a tensor that did not change (all of them in a transfer-only run) needs no delta
+    full = {name: diff for name, diff in full.items() if diff.any()}
+    low_rank = {name: factors for name, factors in low_rank.items() if factors[0].any()}
+    complete_fused(low_rank, full, handle.arch)
+    low_rank = {name: (up.to(dtype), down.to(dtype)) for name, (up, down) in low_rank.items()}
+    return sd3_deltas({name: diff.to(dtype) for name, diff in full.items()}, low_rank, handle.arch)
+
+
+def export_run(
+    config: TrainConfig, handle: T5Handle, split: ParamSplit, world: World, *, record: BaseRecord, steps: int
+) -> Path:
     """Write the T5 weights file `<output.dir>/<output.name>` of the trained student with the run's provenance
     (collective; rank 0 writes, through `t5core.weights.save`).
 
-    Its `base.*` tensors are in the precision `--output.base_dtype` says: the base checkpoint's
-    (`trainer.model.base_checkpoint_dtype`) or float32; T5 parameters stay float32.
+    The file holds the T5 parameters (float32) and the change of every inherited weight that trained, as
+    deltas (`t5core.deltas`): the factors of a low-rank delta (`--model.rank`), or the trained value minus
+    the base's; both in the precision `--output.base_dtype` says (the base checkpoint's, or float32). It
+    records the base's fingerprint.
 
     Returns:
         The file's path (on every rank).
     """
     base_dtype = torch.float32 if config.output.base_dtype == "fp32" else base_checkpoint_dtype(config.model)
     t5_names = t5_parameter_names(handle)
-    base_names = base_sources(handle.arch, params=split.inherited)
-    tensors = _gather(handle.model, sorted(t5_names) + list(base_names))
+    tensors = _gather(handle.model, sorted(t5_names) + list(split.inherited))
     path = Path(config.output.dir).expanduser() / config.output.name
     if not world.is_main:
         return path
@@ -109,19 +183,20 @@ def export_run(config: TrainConfig, handle: T5Handle, split: ParamSplit, world: 
         }
         module.load_file_state(state)
         modules[module_name] = module
-    base = {key: t.to(base_dtype) for key, t in base_tensors(tensors, handle.arch, params=split.inherited).items()}
+    deltas = _deltas(handle, split, record, tensors, base_dtype)
     dtype_name = str(base_dtype).removeprefix("torch.")
     provenance = {
         "trainer": "trainer/run.py",
         "steps": steps,
         "base": config.model.base,
         "trainable": config.model.trainable,
+        "rank": config.model.rank,
         "data": config.data.source,
         "loss_weights": {key: getattr(config.loss, f"{key}_weight") for key in ("flow", "distill", "feature")},
-        "base_dtype": dtype_name,
+        "delta_dtype": dtype_name,
     }
-    save(path, modules, arch=handle.arch, config=handle.config, base=base, provenance=provenance)
-    logger.info("Export: %s (%d T5 modules, %d base tensors in %s)", path, len(modules), len(base), dtype_name)
+    save(path, modules, arch=handle.arch, config=handle.config, deltas=deltas, fingerprint=record.fingerprint, provenance=provenance)
+    logger.info("Export: %s (%d T5 modules, %d deltas in %s)", path, len(modules), len(deltas), dtype_name)
     return path
 
 

@@ -8,9 +8,12 @@ one process or N and after a resume.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,9 +29,12 @@ from trainer.metrics import MetricsWriter, Progress
 from trainer.optim import optimizer_step
 from trainer.seeds import derived_seed
 
-__all__ = ["LoopResult", "TrainParts", "train_loop", "train_step"]
+__all__ = ["BatchParts", "LoopResult", "TrainParts", "load_batch", "train_loop", "train_step"]
 
 logger = logging.getLogger(__name__)
+
+SigmaSampler = Callable[..., Tensor]
+"""`draw(count, generator=...)` -> `(count,)` sigmas."""
 
 
 @dataclass
@@ -66,22 +72,42 @@ def _autocast(parts: TrainParts) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _noise(parts: TrainParts, batch: Batch, step: int) -> tuple[Tensor, Tensor, Tensor]:
+class BatchParts(Protocol):
+    """What drawing a step's batch reads (the fine-tune's `TrainParts` and the transfer's parts)."""
+
+    config: TrainConfig
+    world: World
+    source: Source
+    plan: BatchPlan
+
+
+def _noise(
+    parts: BatchParts, batch: Batch, step: int, *, stream: str, draw_sigmas: SigmaSampler
+) -> tuple[Tensor, Tensor, Tensor]:
     """This rank's rows of the global batch's noise, sigmas and caption-dropout mask."""
     size = parts.plan.batch_size
-    generator = torch.Generator().manual_seed(derived_seed(parts.config.training.seed, "noise", step))
+    generator = torch.Generator().manual_seed(derived_seed(parts.config.training.seed, stream, step))
     noise = torch.randn((size, *batch.latents.shape[1:]), generator=generator)
-    sigmas = sample_sigmas(size, generator=generator, config=parts.config.loss)
+    sigmas = draw_sigmas(size, generator=generator)
     dropped = torch.rand(size, generator=generator) < parts.config.data.caption_dropout
     rows = slice(parts.world.rank * len(batch), (parts.world.rank + 1) * len(batch))
     return noise[rows], sigmas[rows], dropped[rows]
 
 
-def _load(parts: TrainParts, step: int) -> tuple[Batch, Tensor, Tensor]:
-    """This rank's batch of step `step` with its captions dropped, noise and sigmas, on the device."""
+def load_batch(
+    parts: BatchParts, step: int, *, stream: str = "noise", draw_sigmas: SigmaSampler | None = None
+) -> tuple[Batch, Tensor, Tensor]:
+    """This rank's batch of step `step` with its captions dropped, noise and sigmas, on the device.
+
+    Args:
+        stream: the random stream of noise, sigmas and dropout (`derived_seed(seed, stream, step)`).
+        draw_sigmas: draws `(count,)` sigmas from a generator; default: `--loss`'s logit-normal density.
+    """
+    if draw_sigmas is None:
+        draw_sigmas = functools.partial(sample_sigmas, config=parts.config.loss)
     indices = parts.plan.local_indices(step, rank=parts.world.rank, world_size=parts.world.world_size)
     batch = parts.source.load(indices)
-    noise, sigmas, dropped = _noise(parts, batch, step)
+    noise, sigmas, dropped = _noise(parts, batch, step, stream=stream, draw_sigmas=draw_sigmas)
     if dropped.any():
         context, pooled = parts.source.uncond()
         batch = Batch(
@@ -102,7 +128,7 @@ def _mean_over_ranks(losses: LossTerms, world: World) -> dict[str, float]:
 
 def train_step(parts: TrainParts, step: int) -> dict[str, float]:
     """Run optimizer step `step` (0-based) and return its metrics, averaged over ranks."""
-    batch, noise, sigmas = _load(parts, step)
+    batch, noise, sigmas = load_batch(parts, step)
     with _autocast(parts):
         losses = step_losses(
             parts.model,

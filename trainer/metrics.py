@@ -1,7 +1,8 @@
 """Run metrics as JSON lines from rank 0, and the rank-0 progress bar.
 
 Keys are grouped and carry units: `loss/total`, `loss/flow`, `lr/new`, `grad_norm`,
-`throughput(img/s)`, `time/step(s)`, `memory/max_reserved(GiB)` (CUDA only).
+`throughput(img/s)`, `time/step(s)`, `memory/max_reserved(GiB)` (CUDA only). Lines of the attention
+transfer, before the fine-tune, carry `"stage": "transfer"`, `transfer/loss` and `transfer/{module}`.
 """
 
 from __future__ import annotations
@@ -26,22 +27,27 @@ class MetricsWriter:
     def __init__(self, path: str | Path, *, enabled: bool) -> None:
         self.path, self.enabled = Path(path), enabled
 
-    def resume_at(self, step: int) -> None:
-        """Drop lines past `step` (written after the checkpoint a killed run resumes from)."""
+    def resume_at(self, step: int, *, stage: str | None = None) -> None:
+        """Drop the lines written after the checkpoint a killed run resumes from: those of `stage` (None:
+        the fine-tune) past `step`, and those of the fine-tune when resuming an earlier stage."""
         if not self.enabled or not self.path.is_file():
             return
-        kept = [
-            line
-            for line in self.path.read_text(encoding="utf-8").splitlines()
-            if line and json.loads(line)["step"] <= step
-        ]
+        lines = [line for line in self.path.read_text(encoding="utf-8").splitlines() if line]
+        kept = []
+        for line in lines:
+            record = json.loads(line)
+            same = record.get("stage") == stage
+            if (same and record["step"] <= step) or (not same and stage is None):
+                kept.append(line)
         write_text_atomic(self.path, "".join(line + "\n" for line in kept))
 
-    def write(self, step: int, values: dict[str, Any]) -> None:
+    def write(self, step: int, values: dict[str, Any], *, stage: str | None = None) -> None:
+        """Append one line; `stage` marks the lines of a stage before the fine-tune (`transfer`)."""
         if not self.enabled:
             return
+        record = {"step": step, **({"stage": stage} if stage else {}), **values}
         with self.path.open("a", encoding="utf-8") as stream:
-            stream.write(json.dumps({"step": step, **values}, sort_keys=True) + "\n")
+            stream.write(json.dumps(record, sort_keys=True) + "\n")
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

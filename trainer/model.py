@@ -19,15 +19,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from t5core.config import BaseArch
+from t5core.deltas import fingerprint
 from t5core.hosts.diffusers import T5Handle, arch_of, linearize
-from t5core.sd3_keys import diffusers_module
+from t5core.sd3_keys import diffusers_module, diffusers_to_sd3
 from trainer.config import ModelConfig, OptimConfig, TrainConfig
+from trainer.low_rank import ORIGINAL, add_low_rank, factor_names, low_rank_names
 from trainer.presets import get_preset
 from trainer.sources import local_base
 
 __all__ = [
     "ParamSplit",
     "base_checkpoint_dtype",
+    "base_fingerprint",
     "base_weight_files",
     "build_model",
     "build_student",
@@ -222,11 +226,14 @@ def build_student(base: nn.Module, config: ModelConfig) -> T5Handle:
 
 @dataclass(frozen=True, slots=True)
 class ParamSplit:
-    """Parameter names (unwrapped model) by role: the new T5 ones, trained inherited ones, frozen."""
+    """Parameter names (unwrapped model) by role: the new T5 ones, trained inherited ones (the factors of
+    low-rank deltas among them), frozen; and the weights that learn a low-rank delta (`--model.rank`),
+    named as the base names them (`...to_q.weight`)."""
 
     new: tuple[str, ...]
     inherited: tuple[str, ...]
     frozen: tuple[str, ...]
+    low_rank: tuple[str, ...] = ()
 
     @classmethod
     def everything(cls, model: nn.Module, *, new: Iterable[nn.Parameter] = ()) -> ParamSplit:
@@ -276,12 +283,39 @@ def split_parameters(handle: T5Handle, model: ModelConfig, optim: OptimConfig) -
     return split
 
 
+def _with_low_rank(handle: T5Handle, split: ParamSplit, model: ModelConfig) -> ParamSplit:
+    """Give each trained inherited weight matrix a rank `--model.rank` delta (`trainer.low_rank`): its base
+    value joins the frozen parameters, its factors the trained inherited ones."""
+    weights = low_rank_names(handle.model, split.inherited)
+    add_low_rank(handle.model, weights, rank=model.rank, alpha=model.alpha or model.rank)
+    names = dict.fromkeys(name for name, _ in handle.model.named_parameters())
+    originals = {weight.removesuffix(".weight") + ORIGINAL for weight in weights}
+    factors = {name for weight in weights for name in factor_names(weight)}
+    untouched = set(split.inherited) - set(weights)
+    return ParamSplit(
+        new=split.new,
+        inherited=tuple(name for name in names if name in untouched or name in factors),
+        frozen=tuple(name for name in names if name in set(split.frozen) or name in originals),
+        low_rank=weights,
+    )
+
+
+def base_fingerprint(model: nn.Module, arch: BaseArch) -> str:
+    """`t5core.deltas.fingerprint` of a diffusers transformer as loaded (before training changes it)."""
+    wanted = tuple(f"attn.{projection}.weight" for projection in ("to_q", "to_k", "to_v"))
+    image_qkv = {name: p.detach() for name, p in model.named_parameters() if name.endswith(wanted)}
+    return fingerprint(diffusers_to_sd3(image_qkv, arch), arch)
+
+
 def build_model(base: nn.Module, config: TrainConfig) -> tuple[T5Handle, ParamSplit]:
-    """Convert the base as `--model` says and decide what trains; refuses a run where nothing would."""
+    """Convert the base as `--model` says and decide what trains (with low-rank deltas under
+    `--model.rank`); refuses a run where nothing would."""
     handle = build_student(base, config.model)
     if config.loss.feature_weight > 0 and not handle.modules:
         raise ValueError("--loss.feature_weight aligns converted modules, but --model.layers converts none.")
     split = split_parameters(handle, config.model, config.optim)
+    if config.model.rank and split.inherited:
+        split = _with_low_rank(handle, split, config.model)
     if not split.new and not split.inherited:
         raise ValueError(
             f"nothing would train: --model.layers {config.model.layers!r} converts no module and --model.trainable "

@@ -79,10 +79,12 @@ def _base_section(config: TrainConfig, report: Mapping[str, Any], preset: ModelP
     if digests:
         lines += ["| base file | sha256 |", "|---|---|", *(f"| `{name}` | `{sha}` |" for name, sha in digests.items())]
     if report.get("parameters", {}).get("inherited"):
+        form = f"rank-{config.model.rank} deltas" if config.model.rank else "full deltas"
         lines += [
             "",
-            "The file also holds fine-tuned copies of inherited weights (`base.*`, `--model.trainable "
-            f"{config.model.trainable}`), which replace the base model's own: use it with exactly this base model.",
+            f"The file also holds the changes of the inherited weights that trained ({form}, `--model.trainable "
+            f"{config.model.trainable}`), which both hosts add to the model they are given, and the base's "
+            "fingerprint: it also serves fine-tunes of this base, with a warning naming both fingerprints.",
         ]
     return lines
 
@@ -120,6 +122,12 @@ def _recipe_section(config: TrainConfig, report: Mapping[str, Any]) -> list[str]
             optim.lr * optim.inherited_lr_mult if config.model.trainable != "t5" else "frozen",
         ),
         ("schedule", f"{optim.warmup_steps} warm-up steps, then {optim.schedule}"),
+        *(
+            [("attention transfer", f"{config.transfer.steps} steps, lr {config.transfer.lr:g}, {config.transfer.timesteps} timesteps")]
+            if config.transfer.steps
+            else []
+        ),
+        ("low-rank deltas (`--model.rank`, alpha)", f"{config.model.rank}, {config.model.alpha or config.model.rank:g}" if config.model.rank else "off (full)"),
         ("steps", training.steps),
         ("global batch", training.batch_size),
         ("precision", training.precision),

@@ -1,7 +1,8 @@
 """`run(config)`: the whole fine-tune as one Python call, built step by step as a recipe.
 
 world -> output folder -> resume policy -> base model -> data -> teacher -> convert and split -> memory
-plan -> device and parallelism -> optimizer -> resume -> loop -> export -> report and publish. Each step
+plan -> device and parallelism -> optimizer -> attention transfer -> resume -> loop -> export -> report and
+publish. Each step
 is one call into the module that owns it; `trainer/run.py` is the CLI around `run`, and benchmarks and
 ablations call the same steps with different configs.
 """
@@ -19,26 +20,27 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from t5core.hosts.diffusers import T5Handle
+from t5core.hosts.diffusers import T5Handle, arch_of
 from t5core.sd3_keys import diffusers_module
 from trainer.checkpoint import CheckpointManager, resume_from, resume_path
 from trainer.cli import save_config
 from trainer.config import TrainConfig
 from trainer.data import BatchPlan, Source
 from trainer.distributed import World, init_world
-from trainer.export import ComfyTarget, comfyui_target, export_run, publish, run_report
+from trainer.export import ComfyTarget, comfyui_target, export_run, publish, record_base, run_report
 from trainer.hub import HubTarget, hub_target
 from trainer.loop import LoopResult, TrainParts, train_loop
 from trainer.losses import AttentionCapture
 from trainer.memory import plan_run
 from trainer.metrics import MetricsWriter
-from trainer.model import ParamSplit, build_model, load_base, make_teacher
+from trainer.model import ParamSplit, base_fingerprint, build_model, load_base, make_teacher
 from trainer.model_card import check_run_card
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import parallelize
 from trainer.presets import check_config, get_preset
 from trainer.seeds import rank_seed, seed_everything
 from trainer.sources import find_text_parts
+from trainer.transfer import STAGE, TransferParts, check_transfer_mode, resume_transfer, run_transfer
 
 __all__ = ["RunResult", "run"]
 
@@ -154,12 +156,14 @@ def _check_batch_split(config: TrainConfig, world: World) -> None:
         )
 
 
-def _start_output(config: TrainConfig, world: World, checkpoints: CheckpointManager, output: Path) -> None:
-    """On rank 0, once everything the run needs is built: clear the earlier run's checkpoints under `force`
-    (a run that fails before this point leaves them as they were) and save the config."""
+def _start_output(config: TrainConfig, world: World, checkpoints: list[CheckpointManager], output: Path) -> None:
+    """On rank 0, once everything the run needs is built: clear the earlier run's checkpoints (the fine-tune's
+    and the transfer's) under `force` (a run that fails before this point leaves them as they were) and save
+    the config."""
     if world.is_main:
         if config.checkpoint.resume == "force":
-            checkpoints.clear()
+            for manager in checkpoints:
+                manager.clear()
         save_config(config, output / "config.toml")
 
 
@@ -226,26 +230,38 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     # (FSDP2, unlike DDP, does not broadcast rank 0's initial values).
     seed_everything(config.training.seed)
     checkpoints = CheckpointManager(output / "checkpoints", world, keep=config.checkpoint.keep)
+    transfer_checkpoints = CheckpointManager(output / "checkpoints" / STAGE, world, keep=config.checkpoint.keep)
     resume = resume_path(config, checkpoints)
+    weights_file = output / config.output.name
+    transfer_resume = resume_transfer(config, transfer_checkpoints, weights_file) if resume is None else None
+    if resume is None:
+        check_transfer_mode(config, transfer_resume)
     _check_batch_split(config, world)
 
     base = load_base(config.model)
+    fingerprint = base_fingerprint(base, arch_of(base))
     source = _build_source(config, base, world, output)
     plan = BatchPlan(source.buckets(), batch_size=config.training.batch_size, seed=config.training.seed)
     teacher = make_teacher(base, dtype=config.training.dtype) if config.loss.needs_teacher else None
     handle, split = build_model(base, config)
+    record = record_base(config, handle, split, world, fingerprint=fingerprint)
     memory = plan_run(config, handle, split, source=source, plan=plan, world=world, teacher=teacher)
-    _start_output(config, world, checkpoints, output)
+    _start_output(config, world, [checkpoints, transfer_checkpoints], output)
     parts = _train_parts(
         config, world, handle, split, teacher=teacher, source=source, plan=plan, checkpoints=checkpoints, output=output
     )
     checkpoints.track(parts.model, parts.optimizer, parts.scheduler)
+    if resume is None and config.transfer.steps:
+        transfer = TransferParts(
+            config, world, handle, parts.model, source, plan, transfer_checkpoints, parts.metrics
+        )
+        run_transfer(transfer, resume=transfer_resume)
     start = resume_from(resume, checkpoints)
     parts.metrics.resume_at(start.step)
     _log_built(config, handle, world, start.step)
     result = train_loop(parts, start=start)
 
-    weights = export_run(config, handle, split, world, steps=result.step)
+    weights = export_run(config, handle, split, world, record=record, steps=result.step)
     evaluation = _evaluate(config, handle, world, output)
     report = run_report(
         config, result, weights=weights, world=world, handle=handle, split=split, memory=memory, evaluation=evaluation

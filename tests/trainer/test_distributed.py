@@ -4,6 +4,7 @@ batch, and a killed run resumes to the same final weights as an uninterrupted on
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,6 +99,41 @@ def test_two_processes_match_one(inputs, single, mode, extra, interrupted):
         )
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["t5.safetensors"]
     assert not list(out.rglob("*.tmp"))
+
+
+@pytest.fixture(scope="module")
+def single_low_rank(inputs):
+    out = inputs["root"] / "single-low-rank"
+    flags = _flags(inputs, out, "--training.steps", "3", "--model.rank", "4", "--transfer.steps", "2")
+    _launch([sys.executable, RUN, *flags])
+    return out
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param("ddp", id="ddp-transfer-then-low-rank"),
+        # the transfer does not run under FSDP2: the fine-tune starts from the reference's finished transfer
+        pytest.param("fsdp2", id="fsdp2-low-rank-after-transfer"),
+    ],
+)
+def test_low_rank_and_transfer_over_two_processes_match_one(inputs, single_low_rank, mode):
+    out = inputs["root"] / f"low-rank-{mode}"
+    flags = _flags(inputs, out, "--training.steps", "3", "--model.rank", "4", "--transfer.steps", "2")
+    if mode == "fsdp2":
+        shutil.copytree(single_low_rank / "checkpoints" / "transfer", out / "checkpoints" / "transfer")
+    _torchrun([*flags, "--parallel.mode", mode])
+    fine_tune = [line for line in read_metrics(out / "metrics.jsonl") if "stage" not in line]
+    reference_lines = [line for line in read_metrics(single_low_rank / "metrics.jsonl") if "stage" not in line]
+    torch.testing.assert_close(
+        [line["loss/total"] for line in fine_tune], [line["loss/total"] for line in reference_lines], rtol=1e-5, atol=1e-6
+    )
+    reference, exported = load_file(str(single_low_rank / "t5.safetensors")), load_file(str(out / "t5.safetensors"))
+    assert exported.keys() == reference.keys() and any(key.endswith(".up") for key in reference)
+    for key in reference:
+        torch.testing.assert_close(
+            exported[key], reference[key], rtol=1e-4, atol=1e-5, msg=lambda message, key=key: f"{key}: {message}"
+        )
 
 
 # Runs the trainer with its step-2 checkpoint save followed by a hang, so the test kills a run that
