@@ -1,6 +1,6 @@
 """A tiny SD3.5-Medium-like model in ComfyUI for the ComfyUI tests and checks: checkpoint and T5
-weights file writers, seeded inputs and one model evaluation the way samplers make it (the session
-fixtures built from them are in `testing.fixtures`).
+weights file writers, seeded deltas for such a file, seeded inputs and one model evaluation the way
+samplers make it (the session fixtures built from them are in `testing.fixtures`).
 
 ComfyUI's MMDiT fixes head_dim = 64 and heads = depth, so the model is the `comfy_sd35_medium_like`
 preset of `testing.models` (2 blocks, 2 heads x 64, MMDiT-X `attn2` on block 0).
@@ -9,6 +9,7 @@ preset of `testing.models` (2 blocks, 2 heads x 64, MMDiT-X `attn2` on block 0).
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from t5core import T5Attention, T5Config
 from t5core.config import BaseArch
+from t5core.deltas import Delta
 from t5core.weights import save as save_t5_weights
 
 PRESET = "comfy_sd35_medium_like"
@@ -40,6 +42,8 @@ def write_t5_weights(
     seed: int = 0,
     fast_weight_std: float | None = 0.3,
     base: dict[str, torch.Tensor] | None = None,
+    deltas: dict[str, Delta] | None = None,
+    fingerprint: str | None = None,
     made_by: str = "tests",
     joint_mode: str = "ttt",
     merge: str = "cumulant",
@@ -61,6 +65,10 @@ def write_t5_weights(
             keeps `T5Attention`'s own init. Default: `0.3`.
         base (`dict[str, Tensor]`, *optional*):
             `base.*` tensors (fine-tuned inherited weights, SD3 key names). Default: none.
+        deltas (`dict[str, Delta]`, *optional*):
+            Deltas to inherited weights (SD3 key names; `seeded_deltas`). Default: none.
+        fingerprint (`str`, *optional*):
+            The base's fingerprint (`t5core.deltas.fingerprint`). Default: none.
         made_by (`str`):
             The file's provenance. Default: `"tests"`.
         joint_mode, merge (`str`), neighborhood (`int`):
@@ -80,7 +88,60 @@ def write_t5_weights(
                     weight.normal_(0.0, fast_weight_std)
             if module.merge_bias is not None:
                 module.merge_bias.normal_(0.0, 1.0)
-    return save_t5_weights(path, modules, arch=arch, config=config, base=base, provenance={"made_by": made_by})
+    return save_t5_weights(
+        path,
+        modules,
+        arch=arch,
+        config=config,
+        base=base,
+        deltas=deltas,
+        fingerprint=fingerprint,
+        provenance={"made_by": made_by},
+    )
+
+
+def seeded_deltas(
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    low_rank: Collection[str] = (),
+    seed: int = 0,
+    rank: int = 4,
+    std: float = 0.3,
+) -> tuple[dict[str, Delta], dict[str, torch.Tensor]]:
+    """Seeded deltas for SD3-named tensors, and the dense value of each, computed here part by part
+    (the expectation of a test, independent of `Delta.full`).
+
+    Args:
+        shapes (`Mapping[str, tuple[int, ...]]`):
+            The shape of every tensor to change, by SD3 name.
+        low_rank (`Collection[str]`):
+            The names whose delta is low rank: 3 parts on a fused qkv (`*.qkv.weight`), else 1. The
+            others get a full diff. Default: none.
+        seed (`int`):
+            Seed of the values. Default: `0`.
+        rank (`int`):
+            Rank of the low-rank deltas. Default: `4`.
+        std (`float`):
+            Std of each factor; a full diff gets `std` squared times `rank` ** 0.5, the scale of the
+            low-rank products. Default: `0.3`.
+
+    Returns:
+        SD3 name -> `Delta`, and SD3 name -> dense float32 delta.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    deltas, dense = {}, {}
+    for key, shape in shapes.items():
+        if key not in low_rank:
+            diff = std * std * rank**0.5 * torch.randn(shape, generator=generator)
+            deltas[key], dense[key] = Delta(diff=diff), diff
+            continue
+        parts = 3 if key.endswith(".qkv.weight") else 1
+        rows, cols = shape[0] // parts, shape[1]
+        up = std * torch.randn(parts, rows, rank, generator=generator)
+        down = std * torch.randn(parts, rank, cols, generator=generator)
+        deltas[key] = Delta(up=up, down=down)
+        dense[key] = torch.cat([up[part] @ down[part] for part in range(parts)])
+    return deltas, dense
 
 
 def predict(patcher, x: torch.Tensor, sigma: float, context: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:

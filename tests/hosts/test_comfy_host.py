@@ -1,5 +1,6 @@
 """The ComfyUI host (`t5core.hosts.comfy`) on a tiny SD3.5-Medium-like checkpoint, in real ComfyUI:
-exactness against stock ComfyUI and the diffusers host, undo, batching, resolutions, dtypes.
+exactness against stock ComfyUI and the diffusers host, undo, batching, resolutions, dtypes, the
+file's `base.*` tensors and deltas on the model's weights, the base fingerprint.
 
 Runs when ComfyUI is found (testing/comfy_env.py), skips with the reason otherwise.
 """
@@ -7,16 +8,42 @@ Runs when ComfyUI is found (testing/comfy_env.py), skips with the reason otherwi
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
 
+from t5core.deltas import fingerprint
 from testing import comfy_tiny
 from testing.models import tiny_config
 
 # The diffusers and ComfyUI models compute the same fp32 math in a different order (fused vs split
 # qkv, text first vs last, different attention kernels); measured gaps are ~1e-6.
 PARITY_ATOL = 1e-4
+QKV = "joint_blocks.1.x_block.attn.qkv.weight"
+PROJ = "joint_blocks.0.x_block.attn2.proj.weight"
+# plain torch parameters (mmdit's RMSNorm), which ComfyUI's weight patches do not always reach
+LN_Q = "joint_blocks.1.x_block.attn.ln_q.weight"
+LN_K_TEXT = "joint_blocks.0.context_block.attn.ln_k.weight"
+
+
+def _changes(kind: str | None, checkpoint, seed: int) -> dict:
+    """`write_t5_weights` arguments for a file that changes QKV, PROJ and both norm scales: `base.*`
+    fine-tuned values (the stored ones plus noise), or deltas (QKV low rank in 3 parts, PROJ low rank,
+    full diffs on the scales); none for None."""
+    if kind is None:
+        return {}
+    original = comfy_tiny.checkpoint_state(checkpoint)
+    shapes = {key: tuple(original[f"diffusion_model.{key}"].shape) for key in (QKV, PROJ, LN_Q, LN_K_TEXT)}
+    if kind == "deltas":
+        return {"deltas": comfy_tiny.seeded_deltas(shapes, low_rank=(QKV, PROJ), seed=seed, std=0.2)[0]}
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "base": {
+            key: original[f"diffusion_model.{key}"] + 0.05 * torch.randn(shape, generator=generator)
+            for key, shape in shapes.items()
+        }
+    }
 
 
 def test_arch_of_reads_the_comfy_model(arch):
@@ -39,44 +66,26 @@ def test_joint_forward_without_t5_reproduces_the_stock_block_bit_for_bit(model):
 
 
 @pytest.mark.parametrize(
-    "layers, with_base, merge",
+    "layers, changes, merge",
     [
-        pytest.param(None, False, None, id="all-modules"),
-        pytest.param("paper", True, None, id="paper-with-base-tensors"),
-        pytest.param("joint:1", False, None, id="last-joint-only"),
-        pytest.param(None, False, "cumulant", id="all-modules-hybrid"),
-        pytest.param("paper", False, "learned", id="paper-hybrid-learned"),
+        pytest.param(None, None, None, id="all-modules"),
+        pytest.param("paper", "base", None, id="paper-with-base-tensors"),
+        pytest.param("paper", "deltas", None, id="paper-with-deltas"),
+        pytest.param("joint:1", None, None, id="last-joint-only"),
+        pytest.param(None, None, "cumulant", id="all-modules-hybrid"),
+        pytest.param("paper", None, "learned", id="paper-hybrid-learned"),
     ],
 )
-def test_parity_with_the_diffusers_host(
-    comfy, model, transformer, arch, checkpoint, tmp_path, layers, with_base, merge
-):
+def test_parity_with_the_diffusers_host(comfy, model, transformer, arch, checkpoint, tmp_path, layers, changes, merge):
     """Same tiny weights, same T5 file: ComfyUI (text first) and diffusers (text last) agree, for T5
-    over all tokens and for hybrid joint attention (`merge` set)."""
-    from safetensors.torch import load_file
-
+    over all tokens and for hybrid joint attention (`merge` set), with the file's `base.*` tensors or
+    deltas on the weights."""
     from t5core.hosts import comfy as comfy_host
     from t5core.hosts import diffusers as diffusers_host
 
-    base = None
-    if with_base:
-        state = load_file(str(checkpoint))
-        generator = torch.Generator().manual_seed(5)
-        keys = (
-            "joint_blocks.1.x_block.attn.qkv.weight",
-            "joint_blocks.0.x_block.attn2.proj.weight",
-            # plain torch parameters (mmdit's RMSNorm), which ComfyUI's weight patches do not always reach
-            "joint_blocks.1.x_block.attn.ln_q.weight",
-            "joint_blocks.0.context_block.attn.ln_k.weight",
-        )
-        base = {
-            key: state[f"model.diffusion_model.{key}"]
-            + 0.05 * torch.randn(state[f"model.diffusion_model.{key}"].shape, generator=generator)
-            for key in keys
-        }
     mode = {} if merge is None else {"joint_mode": "hybrid", "merge": merge}
     path = comfy_tiny.write_t5_weights(
-        tmp_path / "t5.safetensors", arch, arch.attention_modules(), seed=11, base=base, **mode
+        tmp_path / "t5.safetensors", arch, arch.attention_modules(), seed=11, **_changes(changes, checkpoint, 5), **mode
     )
     inputs = comfy_tiny.inputs(batch=2, latent_hw=(12, 20))
     sigma = 0.6
@@ -100,22 +109,19 @@ def test_parity_with_the_diffusers_host(
     torch.testing.assert_close(comfy_out, diffusers_out, atol=PARITY_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("changes", ["base", "deltas"])
 def test_removing_the_patch_restores_bit_identical_output_and_leaves_the_original_untouched(
-    model, arch, comfy, checkpoint
+    model, arch, comfy, checkpoint, changes
 ):
     from t5core.hosts import comfy as comfy_host
 
-    generator = torch.Generator().manual_seed(2)
     original = comfy_tiny.checkpoint_state(checkpoint)
-    keys = ("joint_blocks.1.x_block.attn.qkv.weight", "joint_blocks.1.x_block.attn.ln_k.weight")
-    base = {
-        key: original[f"diffusion_model.{key}"]
-        + torch.randn(original[f"diffusion_model.{key}"].shape, generator=generator)
-        for key in keys
-    }
-    norm = model.get_model_object("diffusion_model").joint_blocks[1].x_block.attn.ln_k
+    norm = model.get_model_object("diffusion_model").joint_blocks[1].x_block.attn.ln_q
     path = comfy_tiny.write_t5_weights(
-        comfy.models_dir / "t5_linearize" / "undo.safetensors", arch, arch.attention_modules(), base=base
+        comfy.models_dir / "t5_linearize" / f"undo_{changes}.safetensors",
+        arch,
+        arch.attention_modules(),
+        **_changes(changes, checkpoint, 2),
     )
     inputs = comfy_tiny.inputs()
     before_patcher = comfy_tiny.snapshot(model)
@@ -132,7 +138,7 @@ def test_removing_the_patch_restores_bit_identical_output_and_leaves_the_origina
     assert all(torch.equal(after_state[name], tensor) for name, tensor in original.items())
     blocks = model.get_model_object("diffusion_model").joint_blocks
     assert all(type(block).forward is block.forward.__func__ for block in blocks)
-    assert blocks[1].x_block.attn.ln_k is norm
+    assert blocks[1].x_block.attn.ln_q is norm
     assert comfy_host.converted_layers(model) == ()
 
 
@@ -257,6 +263,45 @@ def test_base_tensors_land_on_their_fine_tuned_values_in_the_models_dtype(comfy,
         assert live.get_parameter(key).dtype == dtype
         # stored + (fine-tuned - stored) is rounded in fp32, then to the dtype: at most one unit apart
         torch.testing.assert_close(live.get_parameter(key).cpu(), value.to(dtype), rtol=torch.finfo(dtype).eps, atol=0)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        pytest.param(torch.float32, id="fp32"),
+        pytest.param(torch.bfloat16, id="bf16"),
+        pytest.param(torch.float16, id="fp16"),
+    ],
+)
+def test_deltas_add_to_the_stored_weights_in_the_models_dtype(comfy, checkpoint, arch, tmp_path, caplog, dtype):
+    """Loaded, the model holds its stored weights plus the deltas (added in fp32, rounded once to its
+    dtype; the patched layers and the replaced RMSNorm scale alike), and its summary line counts them.
+    The stored weights are the checkpoint's in the model's dtype, so its fingerprint is the file's."""
+    import comfy.model_management
+    import comfy.sd
+
+    from t5core.hosts.comfy import linearize
+
+    stored = comfy.sd.load_diffusion_model(str(checkpoint), model_options={"dtype": dtype})
+    original = comfy_tiny.checkpoint_state(checkpoint)
+    shapes = {key: tuple(original[f"diffusion_model.{key}"].shape) for key in (QKV, PROJ, LN_Q)}
+    deltas, dense = comfy_tiny.seeded_deltas(shapes, low_rank=(QKV,), seed=8, std=0.2)
+    stamp = fingerprint({key.removeprefix("diffusion_model."): t for key, t in original.items()}, arch)
+    path = comfy_tiny.write_t5_weights(
+        tmp_path / "deltas.safetensors", arch, arch.attention_modules(), deltas=deltas, fingerprint=stamp
+    )
+    with caplog.at_level(logging.INFO, logger="t5core"):
+        patched = linearize(stored, path)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert "3 deltas added (1 low rank, 2 full)" in caplog.text
+    comfy.model_management.load_models_gpu([patched])
+    live = patched.model.diffusion_model
+    for key, delta in dense.items():
+        expected = (original[f"diffusion_model.{key}"].to(dtype).float() + delta).to(dtype)
+        assert live.get_parameter(key).dtype == dtype
+        # ComfyUI's LoRA patch multiplies each part's factors, ours (the expectation) too, in fp32: a
+        # sum rounded the other way is one unit in the last place
+        torch.testing.assert_close(live.get_parameter(key).cpu(), expected, rtol=torch.finfo(dtype).eps, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")])

@@ -9,9 +9,11 @@ import torch
 from t5core import T5Attention
 from t5core import weights as t5w
 from t5core.convert import base_tensors
+from t5core.deltas import fingerprint, sd3_deltas
 from t5core.hosts.diffusers import T5AttnProcessor, arch_of, converted_layers, linearize
 from t5core.sd3_keys import diffusers_to_sd3
 from testing.models import tiny_inputs, tiny_transformer
+from testing.tolerances import relative_rms
 
 
 @pytest.fixture(autouse=True)
@@ -273,3 +275,126 @@ def test_undo_restores_a_base_buffer_from_the_file(tmp_path):
     assert torch.equal(fresh.pos_embed.pos_embed, pos_embed)
     fresh_handle.remove()
     assert torch.equal(run(fresh), before)
+
+
+DELTA_LOW_RANK = (
+    *(f"transformer_blocks.2.attn.to_{p}.weight" for p in "qkv"),
+    "transformer_blocks.0.attn2.to_out.0.weight",
+    # the last block's text adaLN: SD3 stores its halves swapped
+    "transformer_blocks.2.norm1_context.linear.weight",
+    # with add_k_proj full, this fused qkv becomes a full diff
+    "transformer_blocks.1.attn.add_q_proj.weight",
+    "transformer_blocks.1.attn.add_v_proj.weight",
+)
+DELTA_FULL = (
+    "transformer_blocks.1.attn.add_k_proj.weight",
+    "transformer_blocks.1.attn.norm_q.weight",
+    "transformer_blocks.0.attn.to_out.0.bias",
+    "transformer_blocks.2.norm1_context.linear.bias",
+)
+
+
+def trained_deltas(model, seed=6, rank=4):
+    """Deltas in the trainer's diffusers naming: (up, down) for DELTA_LOW_RANK, dense for DELTA_FULL."""
+    generator = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    low_rank = {}
+    for name in DELTA_LOW_RANK:
+        rows, cols = params[name].shape
+        low_rank[name] = (
+            0.3 * torch.randn(rows, rank, generator=generator),
+            0.3 * torch.randn(rank, cols, generator=generator),
+        )
+    full = {name: 0.1 * torch.randn(params[name].shape, generator=generator) for name in DELTA_FULL}
+    return low_rank, full
+
+
+def add_by_hand(model, low_rank, full):
+    """The model with every delta added to its diffusers parameter, in fp32."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, (up, down) in low_rank.items():
+            params[name].copy_(params[name].float() + up @ down)
+        for name, diff in full.items():
+            params[name].copy_(params[name].float() + diff)
+    return model
+
+
+def write_delta_file(tmp_path, *, base_model=None, name="t5.safetensors"):
+    """A T5 file (paper layers) with the deltas of `trained_deltas`, made for `base_model`'s fingerprint
+    (the tiny transformer by default), and the same file without deltas."""
+    base_model = base_model or tiny_transformer()
+    handle = linearize(tiny_transformer(), layers="paper")
+    arch = handle.arch
+    low_rank, full = trained_deltas(base_model)
+    deltas = sd3_deltas(full, low_rank, arch)
+    stamp = fingerprint(diffusers_to_sd3(base_model.state_dict(), arch), arch)
+    path = t5w.save(tmp_path / name, handle, deltas=deltas, fingerprint=stamp, provenance={"base": "tiny"})
+    plain = t5w.save(tmp_path / f"plain_{name}", handle)
+    return path, plain, (low_rank, full), stamp
+
+
+def test_deltas_give_the_outputs_of_the_weights_with_the_deltas_added_and_undo_is_bit_identical(tmp_path, caplog):
+    path, plain, (low_rank, full), _ = write_delta_file(tmp_path)
+    loaded = t5w.load(path)
+    # q, k, v of block 2 stay low rank in 3 parts; block 1's text qkv (one part full) is a full diff
+    assert loaded.deltas["joint_blocks.2.x_block.attn.qkv.weight"].parts == 3
+    assert not loaded.deltas["joint_blocks.1.context_block.attn.qkv.weight"].low_rank
+    expected_model = add_by_hand(tiny_transformer(), low_rank, full)
+    linearize(expected_model, weights=plain)
+    expected = run(expected_model)
+
+    model = tiny_transformer()
+    original = run(model)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with caplog.at_level(logging.WARNING):
+        handle = linearize(model, weights=path)
+    assert caplog.records == [], "the model is the file's base: its fingerprint matches"
+    params = dict(model.named_parameters())
+    for name, tensor in dict(expected_model.named_parameters()).items():
+        if ".processor." not in name:
+            # the same fp32 sums, the low-rank products batched in one and one by one in the other
+            torch.testing.assert_close(params[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+    torch.testing.assert_close(run(model), expected, rtol=1e-5, atol=1e-6)
+    assert relative_rms(expected, run(linearize(tiny_transformer(), weights=plain).model)) > 1e-2, (
+        "the deltas must change the outputs for the test to mean anything"
+    )
+    handle.remove()
+    assert torch.equal(run(model), original)
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in state.items())
+
+
+def test_on_a_fine_tune_of_the_base_the_deltas_add_to_its_weights_with_one_warning(tmp_path, caplog):
+    path, _, (low_rank, full), stamp = write_delta_file(tmp_path)
+    generator = torch.Generator().manual_seed(9)
+    fine_tune = tiny_transformer()
+    with torch.no_grad():
+        for param in fine_tune.parameters():
+            param.add_(0.01 * torch.randn(param.shape, generator=generator))
+    expected = add_by_hand(copy.deepcopy(fine_tune), low_rank, full)
+    theirs = fingerprint(diffusers_to_sd3(fine_tune.state_dict(), arch_of(fine_tune)), arch_of(fine_tune))
+    assert theirs != stamp
+    with caplog.at_level(logging.WARNING):
+        handle = linearize(fine_tune, weights=path)
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert all(part in message for part in (stamp, theirs, "'tiny'", "t5.safetensors", "results may differ")), message
+    params = dict(fine_tune.named_parameters())
+    for name, tensor in dict(expected.named_parameters()).items():
+        torch.testing.assert_close(params[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+    handle.remove()
+
+
+def test_a_bfloat16_copy_of_the_base_is_the_same_base_and_holds_the_deltas_in_bfloat16(tmp_path, caplog):
+    path, _, (low_rank, full), _ = write_delta_file(tmp_path)
+    model = tiny_transformer().to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="t5core"):
+        linearize(model, weights=path)
+    assert [record for record in caplog.records if record.name.startswith("t5core")] == []
+    expected = dict(add_by_hand(tiny_transformer().to(torch.bfloat16), low_rank, full).named_parameters())
+    for name in (*low_rank, *full):
+        weight = model.get_parameter(name)
+        assert weight.dtype == torch.bfloat16
+        # both add in fp32 and round once; the low-rank products (batched vs one by one) may round a
+        # few sums the other way, one bfloat16 unit apart
+        torch.testing.assert_close(weight, expected[name], rtol=torch.finfo(torch.bfloat16).eps, atol=0)
