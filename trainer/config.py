@@ -383,10 +383,9 @@ class OutputConfig:
     """Toy runs only: ToyEval the teacher and the trained student on this many captions (same noise)
     and write `toy_eval.md` and `grid.png`; 0 skips it."""
     base_dtype: Literal["base", "fp32"] = "base"
-    """Precision of the fine-tuned inherited weights (`base.*`) in the exported file: `base` = the base
+    """Precision of the deltas of trained inherited weights in the exported file: `base` = the base
     checkpoint's own (float16 or bfloat16 for the released SD3.5 files, float16 for the toy: half the
-    size of fp32, and what the base itself loads from); `fp32` = the trained values unrounded. The new
-    T5 parameters are always fp32."""
+    size of fp32); `fp32` = the trained changes unrounded. The new T5 parameters are always fp32."""
 
     def __post_init__(self) -> None:
         _require(bool(self.dir), "output.dir", "must not be empty.")

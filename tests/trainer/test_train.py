@@ -144,10 +144,11 @@ def test_exported_file_reproduces_the_trained_model(inputs, tmp_path, mode):
     assert (loaded - untouched).abs().max() > 1e-3  # the file changes the model
 
 
-def test_base_tensors_are_exported_in_the_base_precision_unless_fp32_is_asked(inputs, tmp_path):
-    """`--output.base_dtype base` (the default) stores `base.*` as the base checkpoint does (float16
-    here: half the bytes), `fp32` as trained; T5 parameters stay float32 either way. Same seed, so the
-    float16 tensors are the float32 ones rounded, and both files load into the base and run alike."""
+def test_deltas_are_exported_in_the_base_precision_unless_fp32_is_asked(inputs, tmp_path):
+    """`--output.base_dtype base` (the default) stores the deltas of inherited weights in the base
+    checkpoint's precision (float16 here: half the bytes), `fp32` as trained; T5 parameters stay float32
+    either way. Same seed, so the float16 tensors are the float32 ones rounded, and both files load into
+    the base and run alike."""
     from safetensors import safe_open
 
     from testing.trainer_assets import trainer_transformer
@@ -170,17 +171,17 @@ def test_base_tensors_are_exported_in_the_base_precision_unless_fp32_is_asked(in
         weights = run(config).weights
         with safe_open(str(weights), "pt") as handle:
             files[choice] = {key: handle.get_tensor(key) for key in handle.keys()}
-            provenance[choice] = json.loads(handle.metadata()["t5.trainer"])["base_dtype"]
+            provenance[choice] = json.loads(handle.metadata()["t5.trainer"])["delta_dtype"]
         with torch.no_grad():
             outputs[choice] = linearize(load_base(config.model), weights=weights).model.eval()(**kwargs)[0]
     assert provenance == {"base": "float16", "fp32": "float32"}
-    base_keys = [key for key in files["base"] if key.startswith("base.")]
-    assert base_keys and files["base"].keys() == files["fp32"].keys()
+    delta_keys = [key for key in files["base"] if key.startswith("delta.")]
+    assert delta_keys and files["base"].keys() == files["fp32"].keys()
     for key, tensor in files["base"].items():
-        assert tensor.dtype == (torch.float16 if key in base_keys else torch.float32), key
+        assert tensor.dtype == (torch.float16 if key in delta_keys else torch.float32), key
         assert files["fp32"][key].dtype == torch.float32
         assert torch.equal(tensor, files["fp32"][key].to(tensor.dtype)), key
-    # float16 keeps 11 significant bits: the inherited weights move by about 5e-4 of their size
+    # float16 keeps 11 significant bits of each delta
     assert (outputs["base"] - outputs["fp32"]).abs().max() < 1e-2 * outputs["fp32"].abs().max()
 
 
