@@ -274,6 +274,7 @@ def check_plan(
             gradient_checkpointing=settings.gradient_checkpointing,
             steps=training.steps,
             max_minutes=training.max_minutes,
+            transfer_steps=config.transfer.steps,
         )
         plan = dataclasses.replace(plan, time=time)
     if plan.fits:

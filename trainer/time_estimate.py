@@ -19,6 +19,7 @@ __all__ = [
     "estimate_time",
     "find_gpu",
     "step_flops",
+    "transfer_step_flops",
 ]
 
 
@@ -146,41 +147,84 @@ def step_flops(shape: RunShape, *, trained_fraction: float, gradient_checkpointi
     return linear * (2 + trained_fraction + recompute) + attention * (3 + recompute)
 
 
+def transfer_step_flops(shape: RunShape) -> float:
+    """Estimated FLOPs of one attention-transfer step on one rank (`trainer.transfer`).
+
+    The softmax model's forward, every attention module softmax; then each converted module runs its own
+    q, k, v and output projections again (4 hidden^2 weights per token of each stream) and backpropagates
+    through the output projection to its T5 parameters (one more hidden^2). T5 itself is left out, as in
+    `step_flops`.
+    """
+    h, b = shape.hidden, shape.batch_per_rank
+    tokens = shape.image_tokens + shape.text_tokens
+    forward = 2 * b * h * h * (12 * shape.depth * tokens + 4 * shape.image_only_blocks * shape.image_tokens)
+    softmax = 4 * b * h * (shape.depth * tokens**2 + shape.image_only_blocks * shape.image_tokens**2)
+    converted_joint = shape.depth - shape.softmax_joint
+    converted_image = shape.image_only_blocks - shape.softmax_image_only
+    projections = 2 * b * h * h * 5 * (converted_joint * tokens + converted_image * shape.image_tokens)
+    return forward + softmax + projections
+
+
 @dataclass(frozen=True, slots=True)
 class TimeEstimate:
-    """An estimated run time: FLOPs per step on one rank over an assumed share of a GPU's peak."""
+    """An estimated run time: FLOPs per step on one rank over an assumed share of a GPU's peak, for the
+    fine-tune's steps and the attention transfer's before them."""
 
     gpu: GpuSpec
     flops_per_step: float
     steps: int
     max_minutes: float = 0.0
+    transfer_steps: int = 0
+    transfer_flops_per_step: float = 0.0
+
+    def _seconds(self, flops: float) -> float:
+        return flops / (self.gpu.bf16_tflops * 1e12 * ASSUMED_UTILISATION)
 
     @property
     def seconds_per_step(self) -> float:
-        return self.flops_per_step / (self.gpu.bf16_tflops * 1e12 * ASSUMED_UTILISATION)
+        return self._seconds(self.flops_per_step)
+
+    @property
+    def transfer_hours(self) -> float:
+        return self.transfer_steps * self._seconds(self.transfer_flops_per_step) / 3600
 
     @property
     def capped(self) -> bool:
-        """Whether `--training.max_minutes` ends the run before its last step."""
+        """Whether `--training.max_minutes` ends the fine-tune before its last step."""
         return bool(self.max_minutes) and self.steps * self.seconds_per_step > self.max_minutes * 60
 
     @property
     def hours(self) -> float:
-        return self.max_minutes / 60 if self.capped else self.steps * self.seconds_per_step / 3600
+        """The whole run: the transfer, then the fine-tune (whose time `--training.max_minutes` caps)."""
+        fine_tune = self.max_minutes / 60 if self.capped else self.steps * self.seconds_per_step / 3600
+        return self.transfer_hours + fine_tune
 
     def summary(self) -> str:
         capped = " (stopped by --training.max_minutes)" if self.capped else ""
+        transfer = (
+            f"{self.transfer_steps} transfer steps x {self._seconds(self.transfer_flops_per_step):.2f} s, then "
+            if self.transfer_steps
+            else ""
+        )
         return (
-            f"estimated time {self.hours:.1f} h{capped}: {self.steps} steps x {self.seconds_per_step:.2f} s "
+            f"estimated time {self.hours:.1f} h{capped}: {transfer}{self.steps} steps x {self.seconds_per_step:.2f} s "
             f"({self.flops_per_step / 1e12:.1f} TFLOP per step per GPU on an {self.gpu.name}, "
             f"{self.gpu.bf16_tflops:g} TFLOPS bf16 at an assumed {ASSUMED_UTILISATION:.0%} utilisation; an estimate)"
         )
 
 
 def estimate_time(
-    counts: ParamCounts, shape: RunShape, *, gpu: GpuSpec, gradient_checkpointing: bool, steps: int, max_minutes: float
+    counts: ParamCounts,
+    shape: RunShape,
+    *,
+    gpu: GpuSpec,
+    gradient_checkpointing: bool,
+    steps: int,
+    max_minutes: float,
+    transfer_steps: int = 0,
 ) -> TimeEstimate:
-    """The `TimeEstimate` of `steps` optimizer steps (stopping early at `max_minutes` when it is set)."""
+    """The `TimeEstimate` of `transfer_steps` attention-transfer steps, then `steps` optimizer steps (the
+    latter stopping early at `max_minutes` when it is set)."""
     fraction = counts.trained / max(counts.trained + counts.frozen, 1)
     flops = step_flops(shape, trained_fraction=fraction, gradient_checkpointing=gradient_checkpointing)
-    return TimeEstimate(gpu, flops, steps, max_minutes)
+    return TimeEstimate(gpu, flops, steps, max_minutes, transfer_steps, transfer_step_flops(shape))

@@ -18,6 +18,7 @@ from trainer.time_estimate import (
     estimate_time,
     find_gpu,
     step_flops,
+    transfer_step_flops,
 )
 
 COUNTS = ParamCounts(trained=600_000_000, frozen=1_700_000_000, buffers=200_000_000, largest_block=90_000_000)
@@ -121,3 +122,22 @@ def test_a_3090_run_takes_its_own_time_not_a_4090s():
     )
     assert slow.flops_per_step == fast.flops_per_step
     assert slow.hours / fast.hours == pytest.approx(165.0 / 71.0)
+
+
+def test_the_transfer_adds_its_steps_forward_only():
+    """A transfer step runs the model forward (every module softmax: the teacher) and each converted module's
+    projections again: more than the converted model's forward, less than its training step; its hours add to
+    the fine-tune's."""
+    shape = dataclasses.replace(SHAPE, softmax_joint=0)
+    forward = step_flops(shape, trained_fraction=0.0, gradient_checkpointing=False) / 2
+    transfer = transfer_step_flops(shape)
+    training = step_flops(shape, trained_fraction=0.26, gradient_checkpointing=True)
+    assert forward < transfer < training
+    gpu = find_gpu("NVIDIA H100 80GB HBM3", None)
+    plain = estimate_time(COUNTS, shape, gpu=gpu, gradient_checkpointing=True, steps=3000, max_minutes=0)
+    with_transfer = estimate_time(
+        COUNTS, shape, gpu=gpu, gradient_checkpointing=True, steps=3000, max_minutes=0, transfer_steps=500
+    )
+    assert with_transfer.hours == pytest.approx(plain.hours + with_transfer.transfer_hours)
+    assert with_transfer.transfer_hours == pytest.approx(500 * transfer / (gpu.bf16_tflops * 1e12 * 0.35) / 3600)
+    assert "500 transfer steps" in with_transfer.summary()
