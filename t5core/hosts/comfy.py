@@ -141,11 +141,20 @@ class _Stored:
 
 def _stored_tensors(model_patcher: Any) -> dict[str, _Stored]:
     """The diffusion model's own tensors by SD3 checkpoint name (ComfyUI's names without
-    `diffusion_model.`). The live modules may hold the patched weights of another clone that ComfyUI
-    loaded last (a LoRA of an earlier prompt); `get_key_patches` reads ComfyUI's backup of the
-    originals instead."""
+    `diffusion_model.`). The live model is as the clone that ComfyUI loaded last left it (an earlier
+    prompt's). Its modules may hold that clone's patched weights (a LoRA), which `get_key_patches`
+    reads from ComfyUI's backup of the originals instead; and a module that clone replaced by an object
+    patch (this host's RMSNorm replacements) shows the replacement's tensors, which are read from the
+    original module, kept unchanged in ComfyUI's backup of object patches (shared by all clones)."""
     entries = model_patcher.get_key_patches(filter_prefix="diffusion_model.")
-    return {key.removeprefix("diffusion_model."): _Stored(*patches[0]) for key, patches in entries.items()}
+    stored = {key.removeprefix("diffusion_model."): _Stored(*patches[0]) for key, patches in entries.items()}
+    for path, original in model_patcher.object_patches_backup.items():
+        if path.startswith("diffusion_model.") and isinstance(original, nn.Module):
+            prefix = path.removeprefix("diffusion_model.") + "."
+            for key, tensor in original.state_dict(prefix=prefix).items():
+                if key in stored:
+                    stored[key] = _Stored(tensor, stored[key].convert)
+    return stored
 
 
 def _fresh_copy(module: nn.Module) -> nn.Module:

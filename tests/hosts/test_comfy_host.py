@@ -304,6 +304,48 @@ def test_deltas_add_to_the_stored_weights_in_the_models_dtype(comfy, checkpoint,
         torch.testing.assert_close(live.get_parameter(key).cpu(), expected, rtol=torch.finfo(dtype).eps, atol=0)
 
 
+def test_a_scale_delta_adds_to_the_stored_value_while_an_earlier_prompts_replacement_is_installed(
+    model, arch, checkpoint, tmp_path
+):
+    """ComfyUI leaves the last prompt's clone loaded, its replaced RMSNorm modules in place: the next
+    conversion adds the delta to the stored scale, not to the replacement's (twice)."""
+    import comfy.utils
+
+    from t5core.hosts.comfy import linearize
+
+    original = comfy_tiny.checkpoint_state(checkpoint)
+    deltas, _ = comfy_tiny.seeded_deltas({LN_Q: tuple(original[f"diffusion_model.{LN_Q}"].shape)}, seed=3)
+    path = comfy_tiny.write_t5_weights(tmp_path / "scale.safetensors", arch, arch.attention_modules(), deltas=deltas)
+    inputs = comfy_tiny.inputs(batch=1)
+    first = comfy_tiny.run(linearize(model, path), inputs)
+    path_of_scale = "diffusion_model." + LN_Q.removesuffix(".weight")
+    assert comfy.utils.get_attr(model.model, path_of_scale) is not model.get_model_object(path_of_scale), (
+        "the first clone's replacement must still be installed for the test to mean anything"
+    )
+    assert torch.equal(comfy_tiny.run(linearize(model, path), inputs), first)
+
+
+def test_a_file_made_for_another_base_warns_once_and_still_adds_its_deltas(
+    comfy, model, arch, checkpoint, tmp_path, caplog
+):
+    from t5core.hosts.comfy import linearize
+
+    original = comfy_tiny.checkpoint_state(checkpoint)
+    theirs = fingerprint({key.removeprefix("diffusion_model."): t for key, t in original.items()}, arch)
+    deltas, dense = comfy_tiny.seeded_deltas({PROJ: tuple(original[f"diffusion_model.{PROJ}"].shape)}, low_rank=(PROJ,))
+    path = comfy_tiny.write_t5_weights(
+        tmp_path / "other.safetensors", arch, arch.attention_modules(), deltas=deltas, fingerprint="0123456789abcdef"
+    )
+    with caplog.at_level(logging.INFO, logger="t5core"):
+        patched = linearize(model, path)
+    (warning,) = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert "0123456789abcdef" in warning and theirs in warning and "adding its 1 deltas anyway" in warning
+    assert "1 deltas added (1 low rank, 0 full), made for another base" in caplog.text
+    comfy_tiny.run(patched, comfy_tiny.inputs(batch=1))
+    live = patched.model.diffusion_model.get_parameter(PROJ).cpu()
+    torch.testing.assert_close(live, original[f"diffusion_model.{PROJ}"] + dense[PROJ], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")])
 def test_half_precision_models_run_and_stay_close_to_fp32(model, weights_all, dtype):
     from t5core.hosts.comfy import linearize

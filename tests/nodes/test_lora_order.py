@@ -1,11 +1,13 @@
 """A LoRA loader before or after T5 Linearize, in a real ComfyUI server (`testing.comfy_server`), with
 LoRA files in the two namings ComfyUI maps for SD3: kohya (`lora_unet_*`) and diffusers
-(`transformer.*`). The T5 file's `base.*` holds fine-tuned values of a converted joint qkv, an
-`attn2` output projection and a q/k RMSNorm scale; each LoRA touches those and a weight the file
-leaves alone.
+(`transformer.*`). Two T5 files change a converted joint qkv, an `attn2` output projection and a q/k
+RMSNorm scale: one with `base.*` (fine-tuned values, format 1), one with deltas (format 4: the qkv
+low rank in three parts, the projection low rank, the scale a full diff). Each LoRA touches those and
+a weight the files leave alone.
 
-The expectation does not go through `base.*` at all: a checkpoint with the fine-tuned values written
-into it, a T5 file without `base.*` (the same T5 modules) and the same LoRA.
+The expectation does not go through the file's changes at all: a checkpoint with the fine-tuned
+values (or the deltas added) written into it, a T5 file without them (the same T5 modules) and the
+same LoRA.
 
 Runs on the tree `testing.comfy_env` finds (`COMFYUI_PATH`), skips when there is none.
 """
@@ -18,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from t5core.deltas import fingerprint
 from t5core.hosts.diffusers import arch_of
 from testing import comfy_env, comfy_tiny
 from testing.comfy_prompts import ModelNode, lora_node, sampling_prompt, saved_latents
@@ -27,8 +30,12 @@ from testing.tolerances import relative_rms
 
 pytestmark = pytest.mark.comfyui  # a real server of the tree under test: runs on the floor tree too
 
-CHECKPOINT, MERGED = "tiny_lora.safetensors", "tiny_lora_merged.safetensors"
-T5_BASE, T5_PLAIN = "t5_with_base.safetensors", "t5_without_base.safetensors"
+CHECKPOINT, T5_PLAIN = "tiny_lora.safetensors", "t5_without_changes.safetensors"
+# per kind of file: the T5 file with the changes, and the checkpoint with them written in
+FILES = {
+    "base": ("t5_with_base.safetensors", "tiny_lora_merged_base.safetensors"),
+    "deltas": ("t5_with_deltas.safetensors", "tiny_lora_merged_deltas.safetensors"),
+}
 PREFIX = "model.diffusion_model."
 QKV = "joint_blocks.1.x_block.attn.qkv.weight"
 PROJ = "joint_blocks.0.x_block.attn2.proj.weight"
@@ -78,7 +85,7 @@ def _lora(naming: str, state: dict[str, torch.Tensor], generator: torch.Generato
 
 
 def _write_assets(models: Path) -> None:
-    """Checkpoint, merged checkpoint, both T5 files, one LoRA per naming."""
+    """Checkpoint, a merged checkpoint per T5 file, the T5 files, one LoRA per naming."""
     transformer = tiny_transformer(comfy_tiny.PRESET)
     checkpoint = comfy_tiny.write_checkpoint(models / "checkpoints" / CHECKPOINT, transformer)
     state = load_file(str(checkpoint))
@@ -87,10 +94,19 @@ def _write_assets(models: Path) -> None:
         key: state[PREFIX + key] + 0.2 * torch.randn(state[PREFIX + key].shape, generator=generator)
         for key in (QKV, PROJ, NORM)
     }
-    save_file({**state, **{PREFIX + key: value for key, value in base.items()}}, str(models / "checkpoints" / MERGED))
+    shapes = {key: tuple(state[PREFIX + key].shape) for key in (QKV, PROJ, NORM)}
+    deltas, dense = comfy_tiny.seeded_deltas(shapes, low_rank=(QKV, PROJ), seed=22, std=0.25)
+    changed = {"base": base, "deltas": {key: state[PREFIX + key] + delta for key, delta in dense.items()}}
     arch = arch_of(transformer)
     folder = models / "t5_linearize"
-    comfy_tiny.write_t5_weights(folder / T5_BASE, arch, arch.attention_modules(), seed=5, base=base)
+    for kind, (_, merged) in FILES.items():
+        written = {PREFIX + key: value for key, value in changed[kind].items()}
+        save_file({**state, **written}, str(models / "checkpoints" / merged))
+    comfy_tiny.write_t5_weights(folder / FILES["base"][0], arch, arch.attention_modules(), seed=5, base=base)
+    stamp = fingerprint({key.removeprefix(PREFIX): t for key, t in state.items()}, arch)
+    comfy_tiny.write_t5_weights(
+        folder / FILES["deltas"][0], arch, arch.attention_modules(), seed=5, deltas=deltas, fingerprint=stamp
+    )
     comfy_tiny.write_t5_weights(folder / T5_PLAIN, arch, arch.attention_modules(), seed=5)
     (models / "loras").mkdir(parents=True, exist_ok=True)
     for naming in LORA_NAMES:
@@ -103,38 +119,46 @@ def latents(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]
     tree = comfy_env.require_tree()
     base_dir = tmp_path_factory.mktemp("comfy_lora_server")
     _write_assets(base_dir / "models")
-    runs: dict[str, dict] = {"t5": {}, "merged": dict(checkpoint=MERGED, weights=T5_PLAIN)}
-    for naming in LORA_NAMES:
-        lora: list[ModelNode] = [lora_node(f"{naming}.safetensors")]
-        runs[f"{naming}_before"] = dict(before=lora)
-        runs[f"{naming}_after"] = dict(after=lora)
-        runs[f"{naming}_expected"] = dict(checkpoint=MERGED, weights=T5_PLAIN, after=lora)
+    runs: dict[str, dict] = {}
+    for kind, (t5_file, merged) in FILES.items():
+        runs[kind] = dict(weights=t5_file)
+        runs[f"{kind}_merged"] = dict(checkpoint=merged)
+        for naming in LORA_NAMES:
+            lora: list[ModelNode] = [lora_node(f"{naming}.safetensors")]
+            runs[f"{kind}_{naming}_before"] = dict(weights=t5_file, before=lora)
+            runs[f"{kind}_{naming}_after"] = dict(weights=t5_file, after=lora)
+            runs[f"{kind}_{naming}_expected"] = dict(checkpoint=merged, after=lora)
     zero: list[ModelNode] = [lora_node("kohya.safetensors", strength=0.0)]
-    runs.update(zero_before=dict(before=zero), zero_after=dict(after=zero))
+    runs.update(
+        zero_before=dict(weights=FILES["base"][0], before=zero), zero_after=dict(weights=FILES["base"][0], after=zero)
+    )
     out = {}
     with ComfyServer.start(tree, base_dir, custom_nodes=(comfy_env.TESTING_NODES,)) as server:
         for name, options in runs.items():
-            prompt = sampling_prompt(**{"checkpoint": CHECKPOINT, "weights": T5_BASE, "prefix": name, **options})
+            prompt = sampling_prompt(**{"checkpoint": CHECKPOINT, "weights": T5_PLAIN, "prefix": name, **options})
             entry = server.wait(server.queue(prompt))
             out[name] = saved_latents(base_dir / "output", entry["outputs"])
     return out
 
 
-def test_base_weights_as_differences_give_the_fine_tuned_model(latents):
-    """No LoRA: the file's `base.*` give the checkpoint that holds the fine-tuned values."""
-    assert relative_rms(latents["merged"], latents["t5"]) < SAME
+@pytest.mark.parametrize("kind", list(FILES))
+def test_the_files_changes_give_the_checkpoint_that_holds_them(latents, kind):
+    """No LoRA: the file's `base.*` (as differences) or deltas give the checkpoint with the fine-tuned
+    values written in."""
+    assert relative_rms(latents[f"{kind}_merged"], latents[kind]) < SAME
 
 
+@pytest.mark.parametrize("kind", list(FILES))
 @pytest.mark.parametrize("naming", list(LORA_NAMES))
-def test_a_lora_before_or_after_t5_linearize_gives_the_same_model(latents, naming):
-    expected = latents[f"{naming}_expected"]
-    assert relative_rms(latents["t5"], expected) > 0.05, (
+def test_a_lora_before_or_after_t5_linearize_gives_the_same_model(latents, naming, kind):
+    expected = latents[f"{kind}_{naming}_expected"]
+    assert relative_rms(latents[kind], expected) > 0.05, (
         "the LoRA must change the latents for the test to mean anything"
     )
-    assert relative_rms(expected, latents[f"{naming}_after"]) < SAME
-    assert relative_rms(expected, latents[f"{naming}_before"]) < SAME
+    assert relative_rms(expected, latents[f"{kind}_{naming}_after"]) < SAME
+    assert relative_rms(expected, latents[f"{kind}_{naming}_before"]) < SAME
 
 
 def test_a_lora_at_strength_zero_gives_t5_alone(latents):
-    assert torch.equal(latents["zero_before"], latents["t5"])
-    assert torch.equal(latents["zero_after"], latents["t5"])
+    assert torch.equal(latents["zero_before"], latents["base"])
+    assert torch.equal(latents["zero_after"], latents["base"])
