@@ -55,8 +55,9 @@ class T5Linearize(io.ComfyNode):
                 "Runs the attention of an SD3 / SD3.5 model as T5 attention: linear time in the number of "
                 "image tokens, so large images sample faster. The weights file says which attention modules "
                 "it converts and holds their trained T5 weights; it must match the model (SD3.5 Medium, "
-                "SD3.5 Large, ...). The incoming model is not changed: remove or bypass this node to get "
-                "softmax attention back."
+                "SD3.5 Large, ...). On a fine-tune of the file's base its changes to the model's weights add "
+                "to the fine-tune's, as a LoRA's do. The incoming model is not changed: remove or bypass this "
+                "node to get softmax attention back."
             ),
             inputs=[
                 io.Model.Input("model", tooltip="An SD3 Medium, SD3.5 Medium or SD3.5 Large model."),
@@ -65,7 +66,8 @@ class T5Linearize(io.ComfyNode):
                     options=folder_paths.get_filename_list(FOLDER),
                     tooltip=(
                         "T5 weights file (.safetensors) from ComfyUI/models/t5_linearize/, trained for this "
-                        "model. Press R to refresh the list after adding files."
+                        "model or for the base it was fine-tuned from. Press R to refresh the list after adding "
+                        "files."
                     ),
                 ),
                 io.String.Input(
