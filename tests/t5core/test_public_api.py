@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import t5core
-from t5core import attention, config, contract, layers, ttt, weights
+from t5core import attention, config, contract, deltas, layers, ttt, weights
 
 
 def test_t5core_all_is_exact_and_re_exports_the_sources():
@@ -42,9 +42,21 @@ def test_the_call_contract_and_the_reference_list_their_public_names():
     ]
 
 
+def test_the_deltas_module_lists_its_public_names():
+    assert deltas.__all__ == [
+        "FINGERPRINT_SAMPLES",
+        "Delta",
+        "TensorsOnRead",
+        "diffusers_deltas",
+        "fingerprint",
+        "fingerprint_keys",
+        "sd3_deltas",
+    ]
+
+
 def test_importing_t5core_loads_neither_comfy_triton_trainer_nor_diffusers():
     code = (
-        "import sys, t5core, t5core.weights, t5core.ttt, t5core.layers;"
+        "import sys, t5core, t5core.weights, t5core.deltas, t5core.ttt, t5core.layers;"
         "heavy = ('comfy', 'triton', 'trainer', 'diffusers', 't5kernels', 'nodes');"
         "print(sorted(m for m in heavy if m in sys.modules))"
     )
