@@ -363,8 +363,8 @@ def _memory_check(result: Result) -> list[str]:
 
 
 def _stored_table(result: Result) -> list[str]:
-    # `benchmarks/ablations.py`, `benchmarks/artifact_probe.py` and `benchmarks/key_bias.py` store their printed
-    # table with the rows: a header line, a description line, a blank line, then the table.
+    # `benchmarks/ablations.py`, `benchmarks/artifact_probe.py`, `benchmarks/key_bias.py` and `benchmarks/reuse.py`
+    # store their printed table with the rows: a header line, a description line, a blank line, then the table.
     lines = result["meta"]["table"].splitlines()
     return [lines[1] + ".", "", *lines[3:]]
 
@@ -398,37 +398,39 @@ def _bytes(count: int) -> str:
 def _file_size(result: Result) -> list[str]:
     meta = result["meta"]
     intro = (
-        f"Tensor bytes of the exported T5 weights file, `{meta['layers']}` layers: the T5 parameters in fp32 and "
-        "`base.*` (every SD3 tensor holding a trained inherited weight) in fp32 (`--output.base_dtype fp32`) or in "
-        "the base checkpoint's precision (`--output.base_dtype base`, the default)."
+        "Tensor bytes of the exported T5 weights file per layer spec, `--model.trainable` and `--model.rank` (full: "
+        "full deltas): the T5 parameters in fp32 and the deltas of trained inherited weights in fp32 "
+        "(`--output.base_dtype fp32`) or in the base checkpoint's precision (`--output.base_dtype base`, the default)."
     )
     rows = [
         [
             row["model"],
+            row["layers"],
             row["trainable"],
+            str(row["rank"] or "full"),
             f"{row['t5_params'] / 1e6:.2f}M",
-            f"{row['base_params'] / 1e6:.1f}M",
+            f"{row['delta_params'] / 1e6:.1f}M",
             _bytes(row["bytes_fp32"]),
             f"{_bytes(row['bytes_base'])} ({row['base_dtype']})",
         ]
         for row in result["rows"]
     ]
-    header = ["model", "trainable", "T5 params", "base params", "file, fp32 base.*", "file, base precision"]
+    header = ["model", "layers", "trainable", "rank", "T5 params", "delta params", "file, fp32 deltas", "file, base precision"]
     lines = [intro, "", *_table(header, rows)]
     if "toy_cost" in meta:
         cost = [
-            [row["base_dtype"], _bytes(row["file_bytes"])]
+            [row["delta_dtype"], _bytes(row["file_bytes"])]
             + [f"{row[name]:.3f}" for name in ("overall", "color", "shape", "position", "size")]
             + [f"{row['val_loss']:.6f}"]
             for row in meta["toy_cost"]
         ]
         lines += [
             "",
-            f"What the smaller file costs on the toy: `{meta['toy_weights']}` as exported (fp32 `base.*`) and with "
-            f"`base.*` rounded to float16, ToyEval from the same noise; the two files' samples differ by "
+            f"What the smaller file costs on the toy: `{meta['toy_weights']}` as exported (fp32 deltas) and with its "
+            f"deltas rounded to float16, ToyEval from the same noise; the two files' samples differ by "
             f"{meta['toy_sample_rms_difference']:.4f} RMS (pixels in [0, 1]).",
             "",
-            *_table(["base.*", "file", "ToyEval overall", "color", "shape", "position", "size", "val loss"], cost),
+            *_table(["deltas", "file", "ToyEval overall", "color", "shape", "position", "size", "val loss"], cost),
         ]
     return lines
 
@@ -472,6 +474,7 @@ SECTIONS: tuple[tuple[str, str, str, Renderer], ...] = (
     ("ablations*.json", "Toy ablations", "python -m benchmarks.ablations", _stored_table),
     ("artifact_probe*.json", "Artifact probe of a T5 toy file", "python -m benchmarks.artifact_probe", _stored_table),
     ("key_bias.json", "Key bias of the toy teacher", "python -m benchmarks.key_bias", _stored_table),
+    ("reuse*.json", "A toy T5 delta file on a fine-tune of its base", "python -m benchmarks.reuse", _stored_table),
 )
 
 INTRO = f"""# Benchmarks
