@@ -2,7 +2,8 @@
 
 An image is one filled shape on a black background; its caption names the shape's size, colour,
 kind and position ("small red circle top left"). Everything is a pure function of a seed, so any
-batch can be re-made bit for bit, on any machine, without downloads.
+batch can be re-made bit for bit, on any machine, without downloads. The colour a word renders as is
+a palette's (`PALETTES`, `COLORS` by default), so a fine-tune of the teacher can learn another one.
 
 Stand-ins for the parts of SD3 the toy does not ship:
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,7 @@ __all__ = [
     "IMAGE_SIZE",
     "JOINT_ATTENTION_DIM",
     "LATENT_CHANNELS",
+    "PALETTES",
     "POOLED_DIM",
     "POSITIONS",
     "SHAPES",
@@ -36,8 +39,10 @@ __all__ = [
     "TEXT_TOKENS",
     "VOCAB",
     "Caption",
+    "Palette",
     "ToyBatch",
     "all_captions",
+    "check_palette",
     "decode_latents",
     "embed_captions",
     "encode_images",
@@ -56,6 +61,9 @@ POOLED_DIM = 64
 TEXT_TOKENS = 8
 """Context length T: the longest caption has 5 words, padded to 8 tokens."""
 
+Palette = Mapping[str, tuple[float, float, float]]
+"""The RGB colour (in [0, 1]) each colour word of the captions renders as."""
+
 COLORS: dict[str, tuple[float, float, float]] = {
     "red": (1.0, 0.1, 0.1),
     "green": (0.1, 0.9, 0.1),
@@ -64,6 +72,20 @@ COLORS: dict[str, tuple[float, float, float]] = {
     "magenta": (0.95, 0.1, 0.95),
     "cyan": (0.1, 0.9, 0.95),
 }
+"""The colour words and the palette the teacher was trained on."""
+PALETTES: dict[str, Palette] = {
+    "default": COLORS,
+    # every word renders as the next word's default colour: a fine-tune that must relearn each colour
+    "rotated": {
+        "red": COLORS["green"],
+        "green": COLORS["blue"],
+        "blue": COLORS["yellow"],
+        "yellow": COLORS["magenta"],
+        "magenta": COLORS["cyan"],
+        "cyan": COLORS["red"],
+    },
+}
+"""Named palettes (`render`, `make_batch` and ToyEval take one): `default` is `COLORS`."""
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 SIZES: dict[str, float] = {"small": 0.125, "large": 0.22}
 """Half-extent of the shape as a fraction of the image side."""
@@ -123,6 +145,22 @@ class ToyBatch:
     pooled_projections: Tensor
 
 
+def check_palette(palette: Palette) -> None:
+    """Refuse a palette that does not give an RGB colour to exactly the colour words of `COLORS`.
+
+    Raises:
+        ValueError: missing or extra words, or a colour that is not three values in [0, 1].
+    """
+    if set(palette) != set(COLORS):
+        raise ValueError(
+            f"a palette colours exactly the words {tuple(COLORS)}; got {tuple(palette)}. "
+            f"Start from one of PALETTES ({', '.join(PALETTES)})."
+        )
+    for word, rgb in palette.items():
+        if len(rgb) != 3 or not all(0.0 <= value <= 1.0 for value in rgb):
+            raise ValueError(f"palette colour of {word!r} is {rgb}; give three RGB values in [0, 1].")
+
+
 def all_captions() -> tuple[Caption, ...]:
     """Every caption the set can produce (2 sizes x 6 colours x 3 shapes x 5 positions = 180)."""
     return tuple(
@@ -139,15 +177,21 @@ def sample_captions(count: int, *, generator: torch.Generator) -> tuple[Caption,
 
 
 def render(
-    captions: tuple[Caption, ...] | list[Caption], *, size: int = IMAGE_SIZE, generator: torch.Generator
+    captions: tuple[Caption, ...] | list[Caption],
+    *,
+    size: int = IMAGE_SIZE,
+    generator: torch.Generator,
+    palette: Palette = COLORS,
 ) -> Tensor:
-    """Draw one filled shape per caption on black; the centre jitters by up to `JITTER` of the side.
+    """Draw one filled shape per caption on black, in its colour word's `palette` colour; the centre
+    jitters by up to `JITTER` of the side.
 
     Returns:
         `(B, 3, size, size)` float32 in [0, 1].
     """
     if size < 32 or size % 16:
         raise ValueError(f"image size must be a multiple of 16 and at least 32; got {size}.")
+    check_palette(palette)
     count = len(captions)
     offsets = (torch.rand(count, 2, generator=generator) * 2 - 1) * JITTER * size
     axis = torch.arange(size, dtype=torch.float32) + 0.5
@@ -162,7 +206,7 @@ def render(
     triangle = (dy.abs() <= half) & (dx.abs() <= (dy + half) / 2)
     kind = torch.tensor([SHAPES.index(c.shape) for c in captions]).view(count, 1, 1)
     mask = torch.where(kind == 0, circle, torch.where(kind == 1, square, triangle))
-    color = torch.tensor([COLORS[c.color] for c in captions], dtype=torch.float32).view(count, 3, 1, 1)
+    color = torch.tensor([palette[c.color] for c in captions], dtype=torch.float32).view(count, 3, 1, 1)
     return mask.unsqueeze(1).float() * color
 
 
@@ -240,7 +284,9 @@ def decode_latents(latents: Tensor, *, clamp: bool = True) -> Tensor:
     return images.clamp(0.0, 1.0) if clamp else images
 
 
-def make_batch(batch_size: int, *, seed: int, size: int = IMAGE_SIZE, drop_text: float = 0.0) -> ToyBatch:
+def make_batch(
+    batch_size: int, *, seed: int, size: int = IMAGE_SIZE, drop_text: float = 0.0, palette: Palette = COLORS
+) -> ToyBatch:
     """Make batch `seed`: the same seed always gives the same batch, any batch size.
 
     Args:
@@ -249,6 +295,8 @@ def make_batch(batch_size: int, *, seed: int, size: int = IMAGE_SIZE, drop_text:
         size (`int`, *optional*, defaults to `IMAGE_SIZE`): image side in pixels.
         drop_text (`float`, *optional*, defaults to 0): probability of replacing a caption's
             conditioning by the unconditional one (classifier-free guidance training).
+        palette (`Palette`, *optional*, defaults to `COLORS`): the colour each colour word renders as;
+            the same seed gives the same captions, shapes and jitter in any palette.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1; got {batch_size}.")
@@ -256,7 +304,7 @@ def make_batch(batch_size: int, *, seed: int, size: int = IMAGE_SIZE, drop_text:
         raise ValueError(f"drop_text must be in [0, 1); got {drop_text}.")
     gen = torch.Generator().manual_seed(seed)
     captions = sample_captions(batch_size, generator=gen)
-    images = render(captions, size=size, generator=gen)
+    images = render(captions, size=size, generator=gen, palette=palette)
     dropped = torch.rand(batch_size, generator=gen) < drop_text
     texts = ["" if drop else str(c) for c, drop in zip(captions, dropped.tolist(), strict=True)]
     hidden, pooled = embed_captions(texts)

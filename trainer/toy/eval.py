@@ -2,12 +2,13 @@
 flow-matching validation loss and the distance to the softmax teacher's samples.
 
 Each image is read off its pixels: the foreground is every pixel brighter than `FOREGROUND`; its
-largest 4-connected component is the object. Colour = nearest palette colour to the object's mean
-RGB; position = nearest anchor to its centroid; size = its bounding-box extent against the midpoint
-of the two sizes; shape = its fill ratio (area / bounding box: square 1, circle pi/4, triangle 1/2).
-An image with no object, or with foreground over `CLUTTER` of its area, is unreadable and matches
-nothing. A sample scores on an attribute when the reading equals its caption; `overall` needs all four.
-Chance is 1/6 (colour), 1/3 (shape), 1/5 (position), 1/2 (size) and 1/180 overall.
+largest 4-connected component is the object. Colour = the word whose palette colour (`COLORS`, or
+the palette the images were rendered in) is nearest to the object's mean RGB; position = nearest
+anchor to its centroid; size = its bounding-box extent against the midpoint of the two sizes; shape =
+its fill ratio (area / bounding box: square 1, circle pi/4, triangle 1/2). An image with no object, or
+with foreground over `CLUTTER` of its area, is unreadable and matches nothing. A sample scores on an
+attribute when the reading equals its caption; `overall` needs all four. Chance is 1/6 (colour), 1/3
+(shape), 1/5 (position), 1/2 (size) and 1/180 overall.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from trainer.toy.data import (
     POSITIONS,
     SIZES,
     Caption,
+    Palette,
     ToyBatch,
     all_captions,
+    check_palette,
     decode_latents,
     make_batch,
 )
@@ -122,10 +125,11 @@ def _nearest(value: Tensor, table: dict[str, tuple[float, ...]]) -> list[str]:
     return [names[i] for i in torch.cdist(value, centres).argmin(1).tolist()]
 
 
-def read_images(images: Tensor) -> list[Reading]:
-    """Read colour, shape, position and size off `(B, 3, S, S')` images in [0, 1]."""
+def read_images(images: Tensor, *, palette: Palette = COLORS) -> list[Reading]:
+    """Read colour (a word of `palette`), shape, position and size off `(B, 3, S, S')` images in [0, 1]."""
     if images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"images must be (B, 3, S, S') RGB in [0, 1]; got {tuple(images.shape)}.")
+    check_palette(palette)
     images = images.float()
     count, _, rows, cols = images.shape
     foreground = images.amax(1) > FOREGROUND
@@ -142,7 +146,7 @@ def read_images(images: Tensor) -> list[Reading]:
     height, width = obj.any(2).sum(1).float(), obj.any(1).sum(1).float()
     fill = area / (height * width).clamp_min(1)
     extent = torch.maximum(height / rows, width / cols)
-    colors = _nearest(mean_rgb, COLORS)
+    colors = _nearest(mean_rgb, palette)
     positions = _nearest(centroid, POSITIONS)
     readings = []
     for i in range(count):
@@ -155,20 +159,26 @@ def read_images(images: Tensor) -> list[Reading]:
     return readings
 
 
-def sample_hits(images: Tensor, captions: tuple[Caption, ...] | list[Caption]) -> list[dict[str, bool]]:
-    """Per sample: which attributes match the caption, `overall` (all four) and `readable`."""
+def sample_hits(
+    images: Tensor, captions: tuple[Caption, ...] | list[Caption], *, palette: Palette = COLORS
+) -> list[dict[str, bool]]:
+    """Per sample: which attributes match the caption (colours read in `palette`), `overall` (all four)
+    and `readable`."""
     if len(captions) != images.shape[0]:
         raise ValueError(f"{images.shape[0]} images but {len(captions)} captions; give one caption per image.")
     hits = []
-    for reading, caption in zip(read_images(images), captions, strict=True):
+    for reading, caption in zip(read_images(images, palette=palette), captions, strict=True):
         match = reading.matches(caption)
         hits.append({**match, "overall": all(match.values()), "readable": reading.color is not None})
     return hits
 
 
-def score_images(images: Tensor, captions: tuple[Caption, ...] | list[Caption]) -> ToyEvalScore:
-    """ToyEval of images against their captions (per attribute, overall, and readable fraction)."""
-    return score_hits(sample_hits(images, captions))
+def score_images(
+    images: Tensor, captions: tuple[Caption, ...] | list[Caption], *, palette: Palette = COLORS
+) -> ToyEvalScore:
+    """ToyEval of images against their captions (per attribute, overall, and readable fraction), colours
+    read in `palette`."""
+    return score_hits(sample_hits(images, captions, palette=palette))
 
 
 def score_hits(hits: list[dict[str, bool]]) -> ToyEvalScore:
@@ -228,8 +238,10 @@ def toy_eval(
     seed: int = 0,
     size: int = IMAGE_SIZE,
     clamp: bool = True,
+    palette: Palette = COLORS,
 ) -> tuple[ToyEvalScore, Tensor]:
-    """Generate the fixed evaluation set with `model` at `size` x `size` pixels and score it.
+    """Generate the fixed evaluation set with `model` at `size` x `size` pixels and score it, colours
+    read in `palette` (the one the model was trained on).
 
     Returns:
         The `ToyEvalScore` and the images `(count, 3, S, S)`, for grids and teacher distances; with
@@ -237,7 +249,7 @@ def toy_eval(
     """
     captions, noise = eval_set(count, seed=seed, size=size)
     images = generate(model, captions, noise, steps=steps, cfg=cfg, clamp=clamp)
-    return score_images(images.clamp(0.0, 1.0), captions), images
+    return score_images(images.clamp(0.0, 1.0), captions, palette=palette), images
 
 
 def teacher_distance(images: Tensor, teacher_images: Tensor) -> float:
@@ -284,11 +296,18 @@ def batch_loss(
 
 @torch.no_grad()
 def validation_loss(
-    model, *, batches: int = 4, batch_size: int = 32, seed: int = 10_000, size: int = IMAGE_SIZE
+    model,
+    *,
+    batches: int = 4,
+    batch_size: int = 32,
+    seed: int = 10_000,
+    size: int = IMAGE_SIZE,
+    palette: Palette = COLORS,
 ) -> float:
-    """Mean flow-matching loss on fixed held-out batches (images `size` px), fixed noise and sigmas."""
+    """Mean flow-matching loss on fixed held-out batches (images `size` px, rendered in `palette`), fixed
+    noise and sigmas."""
     total = 0.0
     for index in range(batches):
-        batch = make_batch(batch_size, seed=seed + index, size=size)
+        batch = make_batch(batch_size, seed=seed + index, size=size, palette=palette)
         total += batch_loss(model, batch, generator=torch.Generator().manual_seed(seed + index)).item()
     return total / batches

@@ -2,6 +2,11 @@
 
     python -m trainer.toy.pretrain                # about 30 minutes on 2 CPU cores
     python -m trainer.toy.pretrain --steps 50     # a quick smoke run
+    python -m trainer.toy.pretrain --init teacher --palette rotated --out ft.safetensors ...  # a fine-tune
+
+`--init teacher --palette NAME` fine-tunes the shipped teacher (every weight, the same loss and caption
+dropout) on images rendered in another palette (`trainer.toy.data.PALETTES`): a fine-tune of the base
+that a T5 weights file meets the way a community fine-tune of SD3.5 would.
 
 It trains a fresh toy MMDiT on freshly drawn batches with the trainer's parts: the flow-matching loss
 (`trainer.toy.eval.batch_loss` on `trainer.losses`), the trainer's AdamW, warm-up + cosine schedule and
@@ -20,6 +25,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors.torch import save_file
@@ -32,7 +38,7 @@ from trainer.metrics import Progress
 from trainer.model import ParamSplit
 from trainer.optim import build_optimizer, build_scheduler, optimizer_step
 from trainer.seeds import derived_seed
-from trainer.toy.data import make_batch
+from trainer.toy.data import PALETTES, make_batch
 from trainer.toy.eval import batch_loss, eval_set, generate, sample_hits, score_hits, validation_loss
 from trainer.toy.model import TOY_CONFIG, WEIGHTS_FILE, build_toy_model, load_toy_base, load_toy_record, toy_arch
 
@@ -63,6 +69,10 @@ class PretrainConfig:
     """Caption dropout, for classifier-free guidance."""
     seed: int = 0
     """Fixes the initialisation, every batch, noise and sigma."""
+    init: Literal["random", "teacher"] = "random"
+    """Start weights: `random` (a fresh model from the seed) or `teacher` (the shipped teacher: a fine-tune)."""
+    palette: str = "default"
+    """The palette images are rendered in and ToyEval reads colours with (`trainer.toy.data.PALETTES`)."""
     dtype: str = "float16"
     """Dtype of the shipped file: `float16` or `bfloat16`."""
     eval_count: int = 180
@@ -83,6 +93,7 @@ class PretrainConfig:
             "--ema": (0.0 <= self.ema < 1.0, "must be in [0, 1)"),
             "--drop-text": (0.0 <= self.drop_text < 1.0, "must be in [0, 1)"),
             "--dtype": (self.dtype in _DTYPES, f"must be one of {tuple(_DTYPES)}"),
+            "--palette": (self.palette in PALETTES, f"must be one of {tuple(PALETTES)}"),
             "--eval-count": (self.eval_count >= 1, "must be at least 1"),
             "--eval-steps": (self.eval_steps >= 1, "must be at least 1"),
             "--eval-cfg": (self.eval_cfg >= 0, "must not be negative"),
@@ -94,9 +105,10 @@ class PretrainConfig:
 
 
 def train_teacher(cfg: PretrainConfig, *, progress: bool = True):
-    """Train a fresh toy model; returns the EMA model (float32, eval mode) and the last loss."""
+    """Train a toy model from `cfg.init`; returns the EMA model (float32, eval mode) and the last loss."""
     optim = OptimConfig(lr=cfg.lr, beta2=0.99, warmup_steps=cfg.warmup, schedule="cosine", min_lr_ratio=0.1)
-    model = build_toy_model(seed=cfg.seed).train()
+    model = load_toy_base().requires_grad_(True) if cfg.init == "teacher" else build_toy_model(seed=cfg.seed)
+    model.train()
     ema = build_toy_model(seed=cfg.seed).eval().requires_grad_(False)
     ema.load_state_dict(model.state_dict())
     optimizer = build_optimizer(model, ParamSplit.everything(model), optim)
@@ -105,7 +117,12 @@ def train_teacher(cfg: PretrainConfig, *, progress: bool = True):
     loss_value = float("nan")
     try:
         for step in range(cfg.steps):
-            batch = make_batch(cfg.batch_size, seed=derived_seed(cfg.seed, "toy-batch", step), drop_text=cfg.drop_text)
+            batch = make_batch(
+                cfg.batch_size,
+                seed=derived_seed(cfg.seed, "toy-batch", step),
+                drop_text=cfg.drop_text,
+                palette=PALETTES[cfg.palette],
+            )
             generator = torch.Generator().manual_seed(derived_seed(cfg.seed, "noise", step))
             loss = batch_loss(model, batch, generator=generator)
             optimizer_step(loss, optimizer, scheduler, grad_clip=optim.grad_clip)
@@ -141,13 +158,15 @@ def record_teacher(path: Path | str, cfg: PretrainConfig, *, train_seconds: floa
     """Reload the written file, measure ToyEval and validation loss, write `<name>.json` beside it."""
     path = Path(path)
     teacher = load_toy_base(path=path)
+    palette = PALETTES[cfg.palette]
     captions, noise = eval_set(cfg.eval_count, seed=_EVAL_SEED)
-    hits = sample_hits(generate(teacher, captions, noise, steps=cfg.eval_steps, cfg=cfg.eval_cfg), captions)
+    images = generate(teacher, captions, noise, steps=cfg.eval_steps, cfg=cfg.eval_cfg)
+    hits = sample_hits(images, captions, palette=palette)
     record = {
         "toyeval": score_hits(hits).as_dict(),
         "per_sample_overall": [int(hit["overall"]) for hit in hits],
         "toyeval_settings": {"count": cfg.eval_count, "steps": cfg.eval_steps, "cfg": cfg.eval_cfg, "seed": _EVAL_SEED},
-        "val_loss": validation_loss(teacher),
+        "val_loss": validation_loss(teacher, palette=palette),
         "final_train_loss": final_loss,
         "train_seconds": round(train_seconds, 1),
         "recipe": asdict(cfg),
@@ -174,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = PretrainConfig(**given)
     except ValueError as error:
         parser.error(str(error))
+    if cfg.init == "teacher" and not record_only and out.resolve() == WEIGHTS_FILE:
+        parser.error(f"--init teacher fine-tunes the shipped teacher {WEIGHTS_FILE}; give --out for the fine-tune.")
     if record_only:
         previous = load_toy_record(out.with_suffix(".json"))
         evaluation = {k: v for k, v in asdict(cfg).items() if k.startswith("eval_")}
@@ -187,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     record = record_teacher(out, cfg, train_seconds=seconds, final_loss=final_loss)
     score = record["toyeval"]
     print(
-        f"teacher: {cfg.steps} steps in {seconds:.0f} s; ToyEval overall {score['overall']:.3f} "
+        f"{out.name} ({cfg.init} start, {cfg.palette} palette): {cfg.steps} steps in {seconds:.0f} s; "
+        f"ToyEval overall {score['overall']:.3f} "
         f"(color {score['color']:.3f}, shape {score['shape']:.3f}, position {score['position']:.3f}, "
         f"size {score['size']:.3f}); val loss {record['val_loss']:.4f}; wrote {out}"
     )
