@@ -24,7 +24,6 @@ seed) pairs already in the JSON file, so an interrupted sweep resumes.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import statistics
@@ -35,11 +34,10 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from benchmarks.timing import RESULTS_DIR, header_line, write_json
-from t5core.atomic import write_atomic
+from benchmarks.toy_cache import CACHE, softmax_samples
 from t5core.sd3_keys import diffusers_module
 from trainer.config import LossConfig, ModelConfig, OptimConfig, TrainConfig
 from trainer.model import ParamSplit, build_student
@@ -65,9 +63,6 @@ logger = logging.getLogger(__name__)
 
 WIDE_SIZE = 2 * IMAGE_SIZE
 """Image side of the 4x-token evaluation."""
-CACHE = ".cache"
-"""Folder under the results folder for the teacher's evaluation images, kept between runs (not committed):
-every sweep compares with them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +99,9 @@ class Row:
 
 _ALL_HYBRID = ("--model.layers", "all", "--model.joint_mode", "hybrid")
 FRONTIER_ROWS: tuple[Row, ...] = (
-    Row("run-paper", "trainer default run: paper spec, 120 full fine-tune steps (the time reference)", trainer_flags=()),
+    Row(
+        "run-paper", "trainer default run: paper spec, 120 full fine-tune steps (the time reference)", trainer_flags=()
+    ),
     Row("run-all-hybrid", "trainer: `all` hybrid, 120 full fine-tune steps", trainer_flags=_ALL_HYBRID),
     Row(
         "run-all-hybrid-4x",
@@ -339,15 +336,8 @@ def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_raw: tor
 
 def teacher_eval(count: int, cache: Path) -> tuple[ToyEvalScore, Tensor]:
     """The shipped teacher's ToyEval on `count` samples and its samples before the decoder's clamp, from
-    the `cache` folder when this teacher file was evaluated before (the images are deterministic: fixed
-    captions, noise and weights)."""
-    digest = hashlib.sha256(WEIGHTS_FILE.read_bytes()).hexdigest()[:16]
-    path = cache / f"teacher-{digest}-{count}-raw.safetensors"
-    if path.is_file():
-        raw = load_file(path)["images"]
-    else:
-        _, raw = toy_eval(load_toy_base(), count=count, clamp=False)
-        write_atomic(path, lambda temp: save_file({"images": raw.contiguous()}, str(temp)))
+    the `cache` folder when this teacher file was evaluated before (`benchmarks.toy_cache`)."""
+    raw = softmax_samples(WEIGHTS_FILE, count, cache)
     return score_images(raw.clamp(0.0, 1.0), eval_set(count)[0]), raw
 
 

@@ -50,4 +50,4 @@ def test_the_teacher_row_is_the_cached_reference(tmp_path):
     assert row["hits"] == result["meta"]["teacher_hits"]
     assert row["background"] == result["meta"]["teacher_background"]
     assert row["toyeval"] == result["meta"]["teacher_toyeval"]
-    assert list((tmp_path / ".cache").glob("teacher-*-2-raw.safetensors"))
+    assert list((tmp_path / ".cache").glob("softmax-*-seed0-2-raw.safetensors"))

@@ -1,0 +1,49 @@
+"""What toy benchmarks keep between runs under `benchmarks/results/.cache/` (not committed), keyed by a
+digest of what made it: the softmax samples of a toy checkpoint, the reference every toy row is compared
+with, and the `file_digest` other cached files are named by.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from t5core.atomic import write_atomic
+from trainer.toy.eval import eval_set, generate
+from trainer.toy.model import load_toy_base
+
+__all__ = ["CACHE", "file_digest", "softmax_samples"]
+
+logger = logging.getLogger(__name__)
+
+CACHE = ".cache"
+"""The cache folder's name under a benchmark's results folder."""
+
+
+def file_digest(path: Path) -> str:
+    """The first 16 hex digits of the file's sha256."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def softmax_samples(path: Path, count: int, cache: Path, *, seed: int = 0) -> Tensor:
+    """The ToyEval samples of the SD3-named toy checkpoint `path` with softmax attention, before the
+    decoder's clamp, on `eval_set(count, seed=seed)` (20 Euler steps, CFG 3, as `toy_eval`).
+
+    They are deterministic (fixed captions, noise and weights), so they are read from the `cache` folder
+    when this file was sampled before, and written there otherwise.
+
+    Returns:
+        `(count, 3, S, S)` float32 images.
+    """
+    stored = cache / f"softmax-{file_digest(path)}-seed{seed}-{count}-raw.safetensors"
+    if stored.is_file():
+        return load_file(stored)["images"]
+    captions, noise = eval_set(count, seed=seed)
+    raw = generate(load_toy_base(path=path), captions, noise, clamp=False)
+    write_atomic(stored, lambda temp: save_file({"images": raw.contiguous()}, str(temp)))
+    logger.info("cached %d softmax samples of %s in %s", count, Path(path).name, stored)
+    return raw
