@@ -4,6 +4,8 @@ colour and ToyEval reads it back in that palette; a fine-tune of the teacher tra
 from __future__ import annotations
 
 import hashlib
+import json
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -88,3 +90,15 @@ def test_a_fine_tune_starts_from_the_teacher_and_trains_on_its_palette(monkeypat
     # two steps at lr 1e-9 move no weight by more than 2e-9 (Adam's step is at most the rate)
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, teacher[name], rtol=0, atol=1e-8)
+
+
+def test_record_only_keeps_the_recorded_recipe_and_takes_the_evaluation_flags(tmp_path):
+    trained = PretrainConfig(init="teacher", palette="rotated", steps=7, eval_count=180)
+    assert "eval_count" not in trained.training() and trained.training()["palette"] == "rotated"
+    out = pretrain.export_teacher(load_toy_base(), tmp_path / "ft.safetensors", trained)
+    record = {"recipe": asdict(trained), "train_seconds": 1.0, "final_train_loss": 0.5}
+    out.with_suffix(".json").write_text(json.dumps(record))
+    assert pretrain.main(["--record-only", "--out", str(out), "--eval-count", "2", "--eval-steps", "1"]) == 0
+    recorded = json.loads(out.with_suffix(".json").read_text())
+    assert recorded["recipe"] == asdict(replace(trained, eval_count=2, eval_steps=1))
+    assert recorded["toyeval"]["count"] == 2

@@ -23,7 +23,7 @@ import argparse
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -81,6 +81,10 @@ class PretrainConfig:
     """Euler steps for ToyEval."""
     eval_cfg: float = 3.0
     """Guidance scale for ToyEval."""
+
+    def training(self) -> dict[str, object]:
+        """The fields that make the weights: all but the evaluation's (`eval_*`)."""
+        return {key: value for key, value in asdict(self).items() if not key.startswith("eval_")}
 
     def __post_init__(self) -> None:
         """Every flag is checked before training (a bad one would otherwise surface after it, or name
@@ -197,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--init teacher fine-tunes the shipped teacher {WEIGHTS_FILE}; give --out for the fine-tune.")
     if record_only:
         previous = load_toy_record(out.with_suffix(".json"))
-        evaluation = {k: v for k, v in asdict(cfg).items() if k.startswith("eval_")}
-        cfg = PretrainConfig(**{**previous["recipe"], **evaluation})
+        cfg = replace(cfg, **PretrainConfig(**previous["recipe"]).training())
         seconds, final_loss = previous["train_seconds"], previous["final_train_loss"]
     else:
         start = time.perf_counter()
