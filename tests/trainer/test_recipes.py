@@ -8,13 +8,12 @@ import re
 import pytest
 import torch
 
-from t5core.hosts.diffusers import linearize
 from testing.models import shipped_config
 from trainer.cli import parse_args
 from trainer.config import TrainConfig
 from trainer.data import bucket_sizes
 from trainer.memory import MemoryPlan, check_plan, count_parameters, run_shape
-from trainer.model import CONFIGS_DIR, split_parameters
+from trainer.model import CONFIGS_DIR, build_model
 from trainer.time_estimate import GPUS
 
 RECIPES = CONFIGS_DIR.parent
@@ -35,13 +34,12 @@ def _load(recipe: str, *flags: str) -> TrainConfig:
 
 
 def _plan(config: TrainConfig, model: str, gpu_name: str, world_size: int) -> MemoryPlan:
-    """What `trainer.memory.plan_run` prints on `world_size` of `gpu_name`: the model on the meta device,
-    the largest bucket of the recipe's resolution."""
+    """What `trainer.memory.plan_run` prints on `world_size` of `gpu_name`: the model on the meta device, built
+    as the trainer builds it (low-rank deltas included), the largest bucket of the recipe's resolution."""
     from diffusers import SD3Transformer2DModel
 
     with torch.device("meta"):
-        handle = linearize(SD3Transformer2DModel(**shipped_config(model)), layers=config.model.layers)
-    split = split_parameters(handle, config.model, config.optim)
+        handle, split = build_model(SD3Transformer2DModel(**shipped_config(model)), config)
     width, height = max(bucket_sizes(config.data.buckets, config.data.resolution, 16), key=lambda s: s[0] * s[1])
     shape = run_shape(
         handle.arch,
