@@ -104,7 +104,9 @@ class BaseRecord:
     originals: dict[str, Tensor]
 
 
-def record_base(config: TrainConfig, handle: T5Handle, split: ParamSplit, world: World, *, fingerprint: str) -> BaseRecord:
+def record_base(
+    config: TrainConfig, handle: T5Handle, split: ParamSplit, world: World, *, fingerprint: str
+) -> BaseRecord:
     """The `BaseRecord` of a converted model whose parameters have their roles but have not trained."""
     if not world.is_main:
         return BaseRecord(fingerprint, {})
@@ -195,7 +197,15 @@ def export_run(
         "loss_weights": {key: getattr(config.loss, f"{key}_weight") for key in ("flow", "distill", "feature")},
         "delta_dtype": dtype_name,
     }
-    save(path, modules, arch=handle.arch, config=handle.config, deltas=deltas, fingerprint=record.fingerprint, provenance=provenance)
+    save(
+        path,
+        modules,
+        arch=handle.arch,
+        config=handle.config,
+        deltas=deltas,
+        fingerprint=record.fingerprint,
+        provenance=provenance,
+    )
     logger.info("Export: %s (%d T5 modules, %d deltas in %s)", path, len(modules), len(deltas), dtype_name)
     return path
 

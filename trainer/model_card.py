@@ -123,11 +123,19 @@ def _recipe_section(config: TrainConfig, report: Mapping[str, Any]) -> list[str]
         ),
         ("schedule", f"{optim.warmup_steps} warm-up steps, then {optim.schedule}"),
         *(
-            [("attention transfer", f"{config.transfer.steps} steps, lr {config.transfer.lr:g}, {config.transfer.timesteps} timesteps")]
+            [
+                (
+                    "attention transfer",
+                    f"{config.transfer.steps} steps, lr {config.transfer.lr:g}, {config.transfer.timesteps} timesteps",
+                )
+            ]
             if config.transfer.steps
             else []
         ),
-        ("low-rank deltas (`--model.rank`, alpha)", f"{config.model.rank}, {config.model.alpha or config.model.rank:g}" if config.model.rank else "off (full)"),
+        (
+            "low-rank deltas (`--model.rank`, alpha)",
+            f"{config.model.rank}, {config.model.alpha or config.model.rank:g}" if config.model.rank else "off (full)",
+        ),
         ("steps", training.steps),
         ("global batch", training.batch_size),
         ("precision", training.precision),

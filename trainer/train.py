@@ -252,9 +252,7 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     )
     checkpoints.track(parts.model, parts.optimizer, parts.scheduler)
     if resume is None and config.transfer.steps:
-        transfer = TransferParts(
-            config, world, handle, parts.model, source, plan, transfer_checkpoints, parts.metrics
-        )
+        transfer = TransferParts(config, world, handle, parts.model, source, plan, transfer_checkpoints, parts.metrics)
         run_transfer(transfer, resume=transfer_resume)
     start = resume_from(resume, checkpoints)
     parts.metrics.resume_at(start.step)

@@ -163,7 +163,11 @@ def _reduce_grads(params: list[nn.Parameter], world: World) -> None:
 
 
 def transfer_step(
-    parts: TransferParts, capture: TransferCapture, optimizer: torch.optim.Optimizer, scheduler, step: int
+    parts: TransferParts,
+    capture: TransferCapture,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    step: int,
 ) -> dict[str, float]:
     """Run transfer step `step` (0-based); returns its metrics, averaged over ranks."""
     sampler = functools.partial(transfer_sigmas, config=parts.config)
@@ -261,7 +265,9 @@ def run_transfer(parts: TransferParts, *, resume: Resume | None) -> int:
     progress = Progress(total=total, initial=start.step, enabled=world.is_main and config.output.progress)
     run_state = {"world_size": world.world_size, "config": config_to_toml(config), "stage": STAGE}
     started = time.monotonic()
-    logger.info("Transfer: %d modules, steps %d-%d, lr %.3g", len(parts.handle.modules), start.step, total, config.transfer.lr)
+    logger.info(
+        "Transfer: %d modules, steps %d-%d, lr %.3g", len(parts.handle.modules), start.step, total, config.transfer.lr
+    )
     try:
         for step in range(start.step, total):
             tick = time.perf_counter()
