@@ -11,6 +11,7 @@ by load. Shared by `benchmarks/bench_attention.py` and the chunked path's bounde
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -22,10 +23,14 @@ from torch import Tensor
 
 __all__ = ["peak_memory_mib"]
 
+# Newer profilers warn that events are cleared after each cycle unless `acc_events=True`; one call is
+# one cycle, so the option only silences that warning, and a profiler without it (torch 2.4) needs none.
+_ONE_CYCLE = {"acc_events": True} if "acc_events" in inspect.signature(torch.profiler.profile).parameters else {}
+
 
 def _cpu_peak_mib(fn: Callable[[], Tensor]) -> float:
     profiler = torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, acc_events=True
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, **_ONE_CYCLE
     )
     with profiler as prof:
         out = fn()
