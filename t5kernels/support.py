@@ -22,15 +22,40 @@ __all__ = [
     "INTERPRETED",
     "KernelBuildError",
     "MIN_CAPABILITY",
+    "MIN_TRITON",
     "SHARED_KIB_NEEDED",
     "TRITON_AVAILABLE",
+    "TRITON_MISSING",
     "cuda_device_reason",
     "interpret_requested",
     "t5_attention_unavailable",
     "unsupported_reason",
 ]
 
-TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+MIN_TRITON = (3, 1)
+"""The oldest Triton the kernels are written for (the `kernels` extra asks for it). Triton 3.0, the one
+torch 2.4 pins, is refused: its interpreter rejects the kernels' `tl.arange` over block sizes."""
+
+
+def _triton_missing() -> str | None:
+    """Why no Triton the kernels run on is installed (absent, or older than `MIN_TRITON`), or None."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton)"
+    import triton
+
+    version = triton.__version__
+    if tuple(int(part) for part in version.split(".")[:2]) < MIN_TRITON:
+        return (
+            f"triton {version} is older than {'.'.join(map(str, MIN_TRITON))}, the oldest the kernels run on "
+            "(torch 2.4 pins triton 3.0; torch 2.5 or newer brings a newer one)"
+        )
+    return None
+
+
+TRITON_MISSING = _triton_missing()
+"""Why the kernels cannot run on this install at all, or None: the first reason `unsupported_reason` gives."""
+TRITON_AVAILABLE = TRITON_MISSING is None
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 128
 # bf16 MMAs and 3xTF32 products need Ampere or newer.
@@ -120,8 +145,8 @@ def unsupported_reason(q: torch.Tensor, *, variant: str) -> str | None:
     Returns:
         A short reason naming the problem, or None.
     """
-    if not TRITON_AVAILABLE:
-        return "triton is not installed (pip install triton)"
+    if TRITON_MISSING is not None:
+        return TRITON_MISSING
     if variant not in VARIANTS:
         return f"variant {variant!r} is not one of {VARIANTS}"
     if q.dim() != 4:
@@ -150,10 +175,10 @@ def unsupported_reason(q: torch.Tensor, *, variant: str) -> str | None:
 
 
 def t5_attention_unavailable(*args: object, **kwargs: object) -> NoReturn:
-    """Stands in for `t5kernels.t5_attention` and `t5kernels.fused_attention` when triton is missing:
-    always raises.
+    """Stands in for `t5kernels.t5_attention` and `t5kernels.fused_attention` when no Triton they run on
+    is installed: always raises.
 
     Raises:
-        RuntimeError: naming the missing package and its install line.
+        RuntimeError: saying why (`TRITON_MISSING`: the package is absent or too old) and the fix.
     """
-    raise RuntimeError("the T5 Triton kernels need triton (pip install triton); use t5core.ttt.t5_attention_ref.")
+    raise RuntimeError(f"the T5 Triton kernels cannot run: {TRITON_MISSING}. Use t5core.ttt.t5_attention_ref.")

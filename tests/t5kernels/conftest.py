@@ -46,7 +46,7 @@ def device(monkeypatch: pytest.MonkeyPatch) -> torch.device:
     if _CUDA:
         return torch.device("cuda")
     if not support.TRITON_AVAILABLE:
-        pytest.skip("triton is not installed")
+        pytest.skip(support.TRITON_MISSING)
     if not support.INTERPRETED:
         pytest.skip(
             "`t5kernels` was imported before tests/t5kernels/conftest.py could set TRITON_INTERPRET=1; "

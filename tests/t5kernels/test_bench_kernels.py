@@ -13,11 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from t5kernels import support
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run_interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
-    pytest.importorskip("triton")
+    if not support.TRITON_AVAILABLE:
+        pytest.skip(support.TRITON_MISSING)
     env = dict(os.environ, TRITON_INTERPRET="1")
     command = [sys.executable, "-m", f"benchmarks.{script.removesuffix('.py')}", "--device=cpu", *args]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -89,13 +89,17 @@ def test_cpu_without_interpreter_runs_the_torch_path(requested, module, qkv, ker
     assert kernel_calls == []
     assert torch.equal(out, _torch_path(module, *qkv))
     if requested == "auto":
-        assert "running the torch path because q is on cpu" in caplog.text
+        assert f"running the torch path because {_CPU_REASON}" in caplog.text
+
+
+# Without a Triton the kernels run on, that is the reason given first (the device comes after).
+_CPU_REASON = support.TRITON_MISSING or "q is on cpu; the kernels need a CUDA tensor"
 
 
 def test_triton_requested_on_cpu_without_interpreter_raises_with_reason(module, qkv, kernel_calls, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     module.backend = "triton"
-    with pytest.raises(RuntimeError, match=r"q is on cpu; the kernels need a CUDA tensor .*backend='torch'"):
+    with pytest.raises(RuntimeError, match=rf"{re.escape(_CPU_REASON)}.*backend='torch'"):
         module(*qkv, grid=GRID, text_tokens=TEXT)
     assert kernel_calls == []
 
@@ -292,8 +296,32 @@ def test_kernels_import_cleanly_without_triton():
         "        print(error)\n"
     )
     reason, *errors = _python(code).splitlines()
-    assert reason.startswith("triton is not installed")
-    assert len(errors) == 2 and all("need triton (pip install triton)" in error for error in errors)
+    assert reason == "triton is not installed (pip install triton)"
+    assert len(errors) == 2 and all(f"cannot run: {reason}. Use t5core.ttt" in error for error in errors)
+
+
+def test_a_triton_older_than_the_kernels_need_is_refused_naming_its_version():
+    """Triton 3.0 (what torch 2.4 pins) imports, but the kernels need 3.1: every call is unsupported,
+    `auto` takes the torch path and the kernels' entry points say why."""
+    code = (
+        "import importlib.machinery, sys, types\n"
+        "fake = types.ModuleType('triton')\n"
+        "fake.__version__, fake.__spec__ = '3.0.0', importlib.machinery.ModuleSpec('triton', None)\n"
+        "sys.modules['triton'] = fake\n"
+        "import torch, t5kernels\n"
+        "from t5core import backend\n"
+        "q = torch.zeros(1, 4, 2, 16)\n"
+        "print(t5kernels.unsupported_reason(q, variant='swiglu'))\n"
+        "print(backend.resolve_backend('auto', q, variant='swiglu'))\n"
+        "try:\n"
+        "    t5kernels.t5_attention(q, q, q, weights=())\n"
+        "except RuntimeError as error:\n"
+        "    print(error)\n"
+    )
+    reason, chosen, error = _python(code).splitlines()
+    assert reason.startswith("triton 3.0.0 is older than 3.1, the oldest the kernels run on (torch 2.4 pins")
+    assert chosen == "torch"
+    assert error == f"the T5 Triton kernels cannot run: {reason}. Use t5core.ttt.t5_attention_ref."
 
 
 def test_kernels_import_only_torch_triton_and_the_call_contract():
