@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,10 @@ class World:
     def close(self) -> None:
         """Destroy the process group if this run created it (safe to call twice)."""
         if self.owns_group and dist.is_initialized():
+            # Older torch (2.4 and 2.6 here; not 2.11 or newer) destroys a gloo group while holding the GIL
+            # and joins its worker threads, and a worker still freeing a finished collective's tensors waits
+            # for the GIL: the close hangs. Sleeping first hands the GIL to such a worker.
+            time.sleep(0.05)
             dist.destroy_process_group()
 
 
