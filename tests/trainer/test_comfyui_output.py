@@ -136,7 +136,16 @@ def test_the_model_card_says_what_the_file_is_and_how_to_use_it():
     assert "* `loss/total`: 0.5123" in card and "lr/new" not in card.split("## Training")[1].split("##")[0]
     assert "None ran in this run" in card
     assert "`ComfyUI/models/t5_linearize/`" in card and "**T5 Linearize**" in card and "`layers`" in card
-    assert "use it with exactly this base model" in card and "`t5xxl` text encoder" in card
+    assert "both hosts add to the model they are given" in card and "(full deltas," in card
+    assert "`t5xxl` text encoder" in card
+    assert "| low-rank deltas (`--model.rank`, alpha) | `off (full)` |" in card and "attention transfer" not in card
+    lora = parse_args(
+        ["--model.base", "/models/sd35m", "--data.source", "images", "--data.path", "/data", "--model.rank", "16",
+         "--model.trainable", "attention", "--transfer.steps", "500", "--transfer.lr", "3e-3"]
+    )  # fmt: skip
+    card = model_card(lora, _report(), weights_name="sd35m_t5.safetensors")
+    assert "| low-rank deltas (`--model.rank`, alpha) | `16, 16` |" in card and "(rank-16 deltas," in card
+    assert "| attention transfer | `500 steps, lr 0.003, uniform timesteps` |" in card
 
 
 def test_the_toy_card_has_the_toyeval_table():
