@@ -49,19 +49,6 @@ def apply_ddp(model: nn.Module, world: World) -> DistributedDataParallel:
     return wrapped
 
 
-def _fsdp2():
-    """`torch.distributed.fsdp`, where FSDP2 (`fully_shard`) is public; imported by the one step that
-    shards, so DDP runs on a torch without it."""
-    import torch.distributed.fsdp as fsdp
-
-    if not hasattr(fsdp, "fully_shard"):
-        raise RuntimeError(
-            f"--parallel.mode fsdp2 needs torch >= 2.6 (FSDP2's public `fully_shard`); this is torch "
-            f"{torch.__version__}. Upgrade torch (pip install 'torch>=2.6') or use --parallel.mode ddp."
-        )
-    return fsdp
-
-
 def apply_fsdp(model: nn.Module, *, param_dtype: torch.dtype | None, name: str = "model") -> nn.Module:
     """Shard each transformer block, then the root, with FSDP2's `fully_shard`.
 
@@ -71,11 +58,14 @@ def apply_fsdp(model: nn.Module, *, param_dtype: torch.dtype | None, name: str =
             None to compute in the stored dtype. Gradients are always reduced in fp32.
         name: for the log line.
     """
-    fsdp = _fsdp2()
-    policy = fsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # Imported here: FSDP2 is public from torch 2.6, and the library's tests import this package on 2.4
+    # (the trainer itself refuses a torch older than trainer.distributed.MIN_TORCH).
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.transformer_blocks:
-        fsdp.fully_shard(block, mp_policy=policy)
-    fsdp.fully_shard(model, mp_policy=policy)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     dtype = "stored dtype" if param_dtype is None else str(param_dtype).removeprefix("torch.")
     logger.info(
         "Applied FSDP2 to the %s: %d blocks + root, params in %s, fp32 reduce",
