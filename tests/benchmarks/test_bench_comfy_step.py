@@ -61,6 +61,7 @@ TOY_KINDS = {
 }
 
 
+@pytest.mark.comfyui  # imports the tree under test: runs on the floor tree too
 def test_whole_and_composed_step_at_toy_size(tmp_path):
     tree = comfy_env.require_tree()
     out = _run(
