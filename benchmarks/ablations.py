@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.timing import RESULTS_DIR, header_line, write_json
-from benchmarks.toy_cache import CACHE, softmax_samples
+from benchmarks.toy_cache import CACHE, toy_samples
 from t5core.sd3_keys import diffusers_module
 from trainer.config import LossConfig, ModelConfig, OptimConfig, TrainConfig
 from trainer.model import ParamSplit, build_student
@@ -337,7 +337,7 @@ def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_raw: tor
 def teacher_eval(count: int, cache: Path) -> tuple[ToyEvalScore, Tensor]:
     """The shipped teacher's ToyEval on `count` samples and its samples before the decoder's clamp, from
     the `cache` folder when this teacher file was evaluated before (`benchmarks.toy_cache`)."""
-    raw = softmax_samples(WEIGHTS_FILE, count, cache)
+    raw = toy_samples(WEIGHTS_FILE, count, cache)
     return score_images(raw.clamp(0.0, 1.0), eval_set(count)[0]), raw
 
 

@@ -1,6 +1,7 @@
 """What toy benchmarks keep between runs under `benchmarks/results/.cache/` (not committed), keyed by a
-digest of what made it: the softmax samples of a toy checkpoint, the reference every toy row is compared
-with, and the `file_digest` other cached files are named by.
+digest of what made it: the ToyEval samples of a toy checkpoint, with softmax attention (the reference
+every toy row is compared with) or with a T5 weights file applied, and the `file_digest` other cached
+files are named by.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ import logging
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from t5core.atomic import write_atomic
+from t5core.hosts.diffusers import linearize
 from trainer.toy.eval import eval_set, generate
 from trainer.toy.model import load_toy_base
 
-__all__ = ["CACHE", "file_digest", "softmax_samples"]
+__all__ = ["CACHE", "file_digest", "toy_model", "toy_samples"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,21 +31,32 @@ def file_digest(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
-def softmax_samples(path: Path, count: int, cache: Path, *, seed: int = 0) -> Tensor:
-    """The ToyEval samples of the SD3-named toy checkpoint `path` with softmax attention, before the
-    decoder's clamp, on `eval_set(count, seed=seed)` (20 Euler steps, CFG 3, as `toy_eval`).
+def toy_model(path: Path, *, t5_file: Path | None = None) -> nn.Module:
+    """The SD3-named toy checkpoint `path` (eval mode, no gradients), with softmax attention or with the T5
+    weights file `t5_file` applied (`t5core.hosts.diffusers.linearize`, torch path)."""
+    model = load_toy_base(path=path)
+    if t5_file is not None:
+        linearize(model, weights=t5_file, backend="torch")
+    return model
+
+
+def toy_samples(path: Path, count: int, cache: Path, *, seed: int = 0, t5_file: Path | None = None) -> Tensor:
+    """The ToyEval samples of the SD3-named toy checkpoint `path`, with softmax attention or with the T5
+    weights file `t5_file` applied (`t5core.hosts.diffusers.linearize`), before the decoder's clamp, on
+    `eval_set(count, seed=seed)` (20 Euler steps, CFG 3, as `toy_eval`).
 
     They are deterministic (fixed captions, noise and weights), so they are read from the `cache` folder
-    when this file was sampled before, and written there otherwise.
+    when these files were sampled before, and written there otherwise.
 
     Returns:
         `(count, 3, S, S)` float32 images.
     """
-    stored = cache / f"softmax-{file_digest(path)}-seed{seed}-{count}-raw.safetensors"
+    model = "softmax" if t5_file is None else f"t5-{file_digest(t5_file)}-on"
+    stored = cache / f"{model}-{file_digest(path)}-seed{seed}-{count}-raw.safetensors"
     if stored.is_file():
         return load_file(stored)["images"]
     captions, noise = eval_set(count, seed=seed)
-    raw = generate(load_toy_base(path=path), captions, noise, clamp=False)
+    raw = generate(toy_model(path, t5_file=t5_file), captions, noise, clamp=False)
     write_atomic(stored, lambda temp: save_file({"images": raw.contiguous()}, str(temp)))
-    logger.info("cached %d softmax samples of %s in %s", count, Path(path).name, stored)
+    logger.info("cached %d samples of %s in %s", count, Path(path).name, stored)
     return raw

@@ -1,0 +1,248 @@
+"""Reuse of a T5 delta file on a fine-tune of its base, on the toy: does a file trained on the teacher still
+work on a fine-tune of the teacher, as a file trained on SD3.5 should on a community fine-tune?
+
+    python -m benchmarks.reuse --t5-file runs/reuse-t5/t5.safetensors                # 180 samples, seed 0
+    python -m benchmarks.reuse --t5-file runs/reuse-t5/t5.safetensors --seeds 0 1    # 360 samples
+
+The fine-tune is the shipped teacher trained further, every weight with softmax attention, on the
+`rotated` palette (each colour word renders as the next word's colour) by the teacher's own pretraining
+code (`trainer.toy.pretrain`, recipe `FINETUNE`). It is made once and cached under
+`benchmarks/results/.cache/`, named by a digest of the teacher file and the recipe. The rows:
+
+* the teacher with softmax, and the teacher + the delta file, on the teacher's palette: the file on the
+  base it was trained on;
+* the fine-tune with softmax, on its palette: the reference of the rows below;
+* the fine-tune + the delta file: `linearize(fine-tune, weights=file)` adds its deltas to the fine-tune's
+  weights;
+* the fine-tune + the same file as an absolute-value file (format 1-3, what the export wrote before
+  deltas): its `base.*` are the teacher's weights + the deltas, in float32, and replace the fine-tune's.
+
+Every row samples the same captions and noise (`eval_set(samples, seed=s)` for each seed). It reports
+ToyEval per attribute with the per-sample hits, the paired difference against the row's reference with
+a 95% bootstrap interval (`trainer.toy.stats`, the samples of every seed pooled: the models are fixed, so
+samples are the only source of spread), the colour read in the teacher's palette (which palette a model
+draws in) and the flow-matching validation loss on held-out batches in the row's palette.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from benchmarks.timing import RESULTS_DIR, header_line, write_json
+from benchmarks.toy_cache import CACHE, file_digest, toy_model, toy_samples
+from t5core.weights import T5Weights, build_modules, load, save
+from trainer.toy.data import PALETTES
+from trainer.toy.eval import ATTRIBUTES, eval_set, sample_hits, score_hits, validation_loss
+from trainer.toy.model import WEIGHTS_FILE
+from trainer.toy.pretrain import PretrainConfig, export_teacher, train_teacher
+from trainer.toy.stats import paired_difference
+
+logger = logging.getLogger(__name__)
+
+FINETUNE = PretrainConfig(init="teacher", palette="rotated", steps=200, lr=3e-4, warmup=20, ema=0.99)
+"""The fine-tune of the teacher: the teacher's recipe (batch 32, caption dropout 0.1, AdamW with warm-up
+and cosine decay), from the shipped weights, on the `rotated` palette; a lower rate and a shorter EMA
+than pretraining, since it starts from a trained model and runs few steps."""
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One model: a base, with softmax or a T5 file applied, and the row its paired difference is against."""
+
+    name: str
+    description: str
+    base: Literal["teacher", "finetune"]
+    weights: Literal["softmax", "deltas", "absolute"]
+    reference: str | None = None
+
+
+ROWS: tuple[Row, ...] = (
+    Row("teacher", "teacher, softmax", "teacher", "softmax"),
+    Row("teacher+deltas", "teacher + the delta file", "teacher", "deltas", reference="teacher"),
+    Row("finetune", "fine-tune, softmax", "finetune", "softmax"),
+    Row("finetune+deltas", "fine-tune + the delta file (deltas added)", "finetune", "deltas", reference="finetune"),
+    Row(
+        "finetune+absolute",
+        "fine-tune + the absolute-value file (teacher + deltas replace its weights)",
+        "finetune",
+        "absolute",
+        reference="finetune",
+    ),
+)
+EXTRA_PAIRS: tuple[tuple[str, str], ...] = (("finetune+deltas", "finetune+absolute"),)
+"""Paired differences besides each row's against its reference."""
+
+
+def finetuned_teacher(cfg: PretrainConfig, cache: Path, *, progress: bool = True) -> Path:
+    """The teacher fine-tuned with `cfg` (`trainer.toy.pretrain`), written in SD3 naming under `cache`
+    and named by a digest of the teacher file and the recipe (`cfg.training()`); made only when not there yet."""
+    made_of = json.dumps({"teacher": file_digest(WEIGHTS_FILE), "recipe": cfg.training()}, sort_keys=True)
+    path = cache / f"finetune-{hashlib.sha256(made_of.encode()).hexdigest()[:16]}.safetensors"
+    if not path.is_file():
+        logger.info("fine-tuning the teacher (%s palette, %d steps) into %s", cfg.palette, cfg.steps, path)
+        model, _ = train_teacher(cfg, progress=progress)
+        export_teacher(model, path, cfg)
+    return path
+
+
+def absolute_file(weights: T5Weights, base_file: Path, path: Path) -> Path:
+    """Write the delta file `weights` as an absolute-value file (format 1-3): the same T5 modules, and for
+    each delta a `base.*` tensor of the base checkpoint's value + the delta, in float32 (the export of
+    `--output.base_dtype fp32` before deltas), which a host puts in place of the model's."""
+    base = load_file(str(base_file))
+    absolute = {key: base[key].float() + delta.full() for key, delta in weights.deltas.items()}
+    modules = build_modules(weights, weights.config.layers, backend="torch")
+    provenance = {**weights.provenance, "absolute_from": weights.name, "absolute_base": base_file.name}
+    return save(path, modules, config=weights.config, arch=weights.arch, base=absolute, provenance=provenance)
+
+
+def _format_version(path: Path) -> int:
+    with safe_open(str(path), framework="pt") as handle:
+        return int(handle.metadata()["t5.format_version"])
+
+
+def _palette(row: Row) -> str:
+    return FINETUNE.palette if row.base == "finetune" else "default"
+
+
+def evaluate(row: Row, base_file: Path, t5_file: Path | None, *, samples: int, seeds: list[int], cache: Path) -> dict:
+    """ToyEval of the base `base_file` with softmax or `t5_file` on `samples` captions and noise per seed
+    (`benchmarks.toy_cache.toy_samples`), its per-sample hits, the colour read in the teacher's palette
+    and the validation loss."""
+    palette = PALETTES[_palette(row)]
+    start = time.perf_counter()
+    hits, teacher_palette = [], []
+    for seed in seeds:
+        captions, _ = eval_set(samples, seed=seed)
+        images = toy_samples(base_file, samples, cache, seed=seed, t5_file=t5_file).clamp(0.0, 1.0)
+        hits += sample_hits(images, captions, palette=palette)
+        teacher_palette += [hit["color"] for hit in sample_hits(images, captions)]
+    return {
+        "row": row.name,
+        "description": row.description,
+        "palette": _palette(row),
+        "toyeval": score_hits(hits).as_dict(),
+        "hits": {name: [int(hit[name]) for hit in hits] for name in (*ATTRIBUTES, "overall")},
+        "teacher_palette_color": sum(teacher_palette) / len(teacher_palette),
+        "val_loss": validation_loss(toy_model(base_file, t5_file=t5_file), palette=palette),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def paired(results: dict[str, dict], name: str, reference: str) -> dict:
+    """Row `name` minus row `reference` in overall ToyEval, paired on the samples, with its 95% interval."""
+    difference = paired_difference([results[name]["hits"]["overall"]], results[reference]["hits"]["overall"])
+    return {
+        "row": name,
+        "reference": reference,
+        "mean": difference.mean,
+        "low": difference.low,
+        "high": difference.high,
+    }
+
+
+def _interval(pair: dict) -> str:
+    return f"{pair['mean']:+.3f} [{pair['low']:+.3f}, {pair['high']:+.3f}]"
+
+
+def summarise(
+    results: dict[str, dict],
+    versus: dict[str, dict],
+    extra: list[dict],
+    *,
+    t5_file: Path,
+    cfg: PretrainConfig,
+    meta: dict,
+) -> str:
+    """A markdown table, one line per row with its paired difference against its reference (`versus`), then
+    the `extra` paired differences."""
+    lines = [
+        header_line(),
+        f"reuse of `{t5_file.name}` (format 4, {meta['deltas']} deltas) on a fine-tune of the toy teacher "
+        f"({cfg.steps} steps on the `{cfg.palette}` palette): {meta['samples']} samples x eval seeds "
+        f"{meta['seeds']}, 20 Euler steps, CFG 3; paired differences with 95% bootstrap intervals",
+        "",
+        "| row | model | palette | ToyEval overall | vs reference, paired [95% CI] | color | shape | position | size "
+        "| color in the teacher's palette | val loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in ROWS:
+        result = results[row.name]
+        score = result["toyeval"]
+        vs = f"{_interval(versus[row.name])} vs {row.reference}" if row.name in versus else ""
+        lines.append(
+            f"| {row.name} | {row.description} | {result['palette']} | {score['overall']:.3f} | {vs} | "
+            + " | ".join(f"{score[name]:.3f}" for name in ATTRIBUTES)
+            + f" | {result['teacher_palette_color']:.3f} | {result['val_loss']:.4f} |"
+        )
+    for pair in extra:
+        lines += ["", f"{pair['row']} - {pair['reference']}, paired [95% CI]: {_interval(pair)}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--t5-file", type=Path, required=True, help="a format-4 (delta) T5 weights file of the toy")
+    parser.add_argument("--samples", type=int, default=180, help="ToyEval samples per seed (180 = every caption once)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="evaluation seeds (captions' order, noise)")
+    parser.add_argument("--finetune-steps", type=int, default=FINETUNE.steps, help="steps of the teacher's fine-tune")
+    parser.add_argument("--json", default="reuse", help="name of the JSON file under --results-dir")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON and .cache/ go")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    weights = load(args.t5_file)
+    if not weights.deltas:
+        parser.error(
+            f"{args.t5_file} holds no deltas (format version 1-3 stores absolute base.* values); give a format-4 "
+            "file, as trainer/run.py writes."
+        )
+    cfg = replace(FINETUNE, steps=args.finetune_steps)
+    cache = args.results_dir / CACHE
+    bases = {"teacher": WEIGHTS_FILE, "finetune": finetuned_teacher(cfg, cache)}
+    files = {
+        "softmax": None,
+        "deltas": args.t5_file,
+        "absolute": absolute_file(
+            weights,
+            WEIGHTS_FILE,
+            cache / f"absolute-{file_digest(args.t5_file)}-{file_digest(WEIGHTS_FILE)}.safetensors",
+        ),
+    }
+    results = {}
+    for row in ROWS:
+        results[row.name] = evaluate(
+            row, bases[row.base], files[row.weights], samples=args.samples, seeds=args.seeds, cache=cache
+        )
+        print(f"{row.name:18s} ToyEval {results[row.name]['toyeval']['overall']:.3f}", flush=True)
+    versus = {row.name: paired(results, row.name, row.reference) for row in ROWS if row.reference is not None}
+    extra = [paired(results, name, reference) for name, reference in EXTRA_PAIRS]
+    meta = {
+        "t5_file": str(args.t5_file),
+        "t5_sha256_16": file_digest(args.t5_file),
+        "t5_provenance": weights.provenance,
+        "deltas": len(weights.deltas),
+        "finetune_recipe": asdict(cfg),
+        "finetune_sha256_16": file_digest(bases["finetune"]),
+        "absolute_format_version": _format_version(files["absolute"]),
+        "samples": args.samples,
+        "seeds": args.seeds,
+        "pairs": [*versus.values(), *extra],
+    }
+    table = summarise(results, versus, extra, t5_file=args.t5_file, cfg=cfg, meta=meta)
+    print(table)
+    write_json(args.json, list(results.values()), meta={**meta, "table": table}, directory=args.results_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
