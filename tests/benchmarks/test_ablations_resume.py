@@ -51,3 +51,24 @@ def test_the_teacher_row_is_the_cached_reference(tmp_path):
     assert row["background"] == result["meta"]["teacher_background"]
     assert row["toyeval"] == result["meta"]["teacher_toyeval"]
     assert list((tmp_path / ".cache").glob("softmax-*-seed0-2-raw.safetensors"))
+
+
+_TRAINER_ROW = """
+import math
+from benchmarks.ablations import FRONTIER_ROWS, Row, train_with_trainer
+assert all(row.trainer_flags is not None for row in FRONTIER_ROWS)
+flags = ("--model.layers", "all", "--model.joint_mode", "hybrid", "--transfer.steps", "1", "--model.rank", "2",
+         "--training.steps", "1", "--training.batch_size", "2")
+model, names, loss = train_with_trainer(Row("tiny", "a tiny trainer run", trainer_flags=flags), 0)
+assert not model.training and math.isfinite(loss)
+print(len(names))
+"""
+
+
+def test_a_trainer_row_trains_with_the_trainer_and_returns_its_model():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-c", _TRAINER_ROW], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.split() == ["6"]  # every attention module of the toy
