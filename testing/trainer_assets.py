@@ -35,6 +35,22 @@ RECIPE_FLAGS: tuple[str, ...] = (
 per process), pinned so the toy preset's defaults (warm-up, caption dropout, 2 threads) can change freely."""
 
 
+def cache_run_flags(base: Path, cache: Path, out: Path, *flags: str) -> list[str]:
+    """Trainer flags of a test run: the tiny base, a written cache, every attention module converted,
+    batch 4, no progress bar, `RECIPE_FLAGS`, then `flags`."""
+    return [
+        "--model.base", str(base),
+        "--data.source", "cache",
+        "--data.path", str(cache),
+        "--model.layers", "all",
+        "--training.batch_size", "4",
+        "--output.dir", str(out),
+        "--output.progress", "false",
+        *RECIPE_FLAGS,
+        *flags,
+    ]  # fmt: skip
+
+
 def trainer_transformer(seed: int = 0) -> torch.nn.Module:
     """The trainer's tiny transformer with every weight random (diffusers zero-inits some outputs)."""
     return tiny_transformer(TRAINER_PRESET, seed, all_random=True)

@@ -8,7 +8,7 @@ import torch
 from t5core.hosts.diffusers import linearize
 from t5core.weights import load
 from testing.models import tiny_inputs
-from testing.trainer_assets import RECIPE_FLAGS, write_base, write_cache
+from testing.trainer_assets import cache_run_flags, write_base, write_cache
 from trainer.cli import parse_args
 from trainer.low_rank import ORIGINAL, add_low_rank
 from trainer.model import base_fingerprint, build_model, load_base
@@ -23,19 +23,7 @@ def inputs(tmp_path_factory):
 
 
 def config_for(inputs, out, *flags):
-    return parse_args(
-        [
-            "--model.base", str(inputs["base"]),
-            "--data.source", "cache",
-            "--data.path", str(inputs["cache"]),
-            "--model.layers", "all",
-            "--training.batch_size", "4",
-            "--output.dir", str(out),
-            "--output.progress", "false",
-            *RECIPE_FLAGS,
-            *flags,
-        ]
-    )  # fmt: skip
+    return parse_args(cache_run_flags(inputs["base"], inputs["cache"], out, *flags))
 
 
 def _outputs(model):

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from t5core.hosts.diffusers import linearize
 from testing.models import tiny_inputs
-from testing.trainer_assets import RECIPE_FLAGS, write_base, write_cache
+from testing.trainer_assets import cache_run_flags, write_base, write_cache
 from trainer.checkpoint import CheckpointManager, RunAlreadyFinished
 from trainer.cli import parse_args
 from trainer.metrics import read_metrics
@@ -25,20 +25,7 @@ def inputs(tmp_path_factory):
 
 
 def config_for(inputs, out, *flags):
-    return parse_args(
-        [
-            "--model.base", str(inputs["base"]),
-            "--data.source", "cache",
-            "--data.path", str(inputs["cache"]),
-            "--model.layers", "all",
-            "--model.joint_mode", "hybrid",
-            "--training.batch_size", "4",
-            "--output.dir", str(out),
-            "--output.progress", "false",
-            *RECIPE_FLAGS,
-            *flags,
-        ]
-    )  # fmt: skip
+    return parse_args(cache_run_flags(inputs["base"], inputs["cache"], out, "--model.joint_mode", "hybrid", *flags))
 
 
 def _module_errors(handle) -> dict[str, float]:
