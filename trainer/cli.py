@@ -13,21 +13,17 @@ import ast
 import dataclasses
 import functools
 import inspect
-import sys
 import types
 import typing
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
+
 from t5core.atomic import write_text_atomic
 from trainer.config import TrainConfig
 from trainer.presets import check_config
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:
-    import tomli as tomllib
 
 __all__ = ["add_flags", "build_parser", "config_to_toml", "load_toml", "parse_args", "save_config"]
 
