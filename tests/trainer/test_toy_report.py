@@ -5,21 +5,25 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
 from trainer.export import write_report
 from trainer.toy.artifacts import background_level, open_background_level, token_period_energy
 from trainer.toy.data import IMAGE_SIZE
-from trainer.toy.eval import sample_hits
+from trainer.toy.eval import eval_set, generate, sample_hits
 from trainer.toy.model import build_toy_model
+from trainer.toy.reference import EvalSettings
 from trainer.toy.report import compare, write_grid
+
+ONE_STEP = EvalSettings(steps=1)
 
 
 def test_compare_same_model_has_zero_distance_and_equal_scores(tmp_path):
     teacher = build_toy_model(seed=0).eval()
     student = copy.deepcopy(teacher)
-    result = compare(teacher, student, count=5, steps=1)
+    result = compare(teacher, student, count=5, settings=ONE_STEP)
     assert result.distance == 0.0
     assert result.teacher_score == result.student_score
     assert result.teacher_val_loss == result.student_val_loss
@@ -44,7 +48,7 @@ def test_compare_same_model_has_zero_distance_and_equal_scores(tmp_path):
 def test_compare_different_students_differ():
     teacher = build_toy_model(seed=0).eval()
     student = build_toy_model(seed=1).eval()
-    result = compare(teacher, student, count=3, steps=1)
+    result = compare(teacher, student, count=3, settings=ONE_STEP)
     assert result.distance > 0
     assert not torch.equal(result.teacher_images, result.student_images)
 
@@ -52,7 +56,7 @@ def test_compare_different_students_differ():
 def test_the_comparison_reports_the_paired_interval_and_the_artifact_measures(capsys):
     teacher = build_toy_model(seed=0).eval()
     student = build_toy_model(seed=1).eval()
-    result = compare(teacher, student, count=3, steps=1, progress=True)
+    result = compare(teacher, student, count=3, settings=ONE_STEP, progress=True)
     report = result.as_dict()
     student_hits, teacher_hits = (
         [int(hit["overall"]) for hit in sample_hits(images, result.captions)]
@@ -81,3 +85,22 @@ def test_the_run_report_renders_sections_as_tables(tmp_path):
     text = markdown.read_text()
     assert "## toy_eval\n\n| | |\n|---|---|\n| teacher.toyeval.overall | 0.7061 |" in text
     assert "{" not in text
+
+
+def test_known_teacher_samples_give_the_same_comparison_without_sampling_the_teacher():
+    teacher = build_toy_model(seed=0).eval()
+    student = build_toy_model(seed=1).eval()
+    sampled = compare(teacher, student, count=3, settings=ONE_STEP)
+    captions, noise = eval_set(3)
+    teacher_raw = generate(teacher, captions, noise, steps=1, clamp=False)
+    calls = []
+    teacher.register_forward_hook(lambda *_: calls.append(1))
+    known = compare(teacher, student, count=3, settings=ONE_STEP, teacher_raw=teacher_raw)
+    assert known.as_dict() == sampled.as_dict()
+    assert len(calls) == 4  # the validation loss's 4 batches; no sampling step
+
+
+def test_known_teacher_samples_of_another_set_are_refused():
+    teacher = build_toy_model(seed=0).eval()
+    with pytest.raises(ValueError, match="3 samples of 48 px expected"):
+        compare(teacher, teacher, count=3, settings=ONE_STEP, teacher_raw=torch.zeros(2, 3, IMAGE_SIZE, IMAGE_SIZE))

@@ -55,7 +55,8 @@ class ToySource:
 def evaluate_toy(student: nn.Module, config: TrainConfig, output: Path, world: World) -> dict[str, Any] | None:
     """ToyEval of the softmax teacher and the trained student on rank 0 (`--output.toy_eval_samples`
     captions): `toy_eval.md` and `grid.png` (teacher rows above student rows, same captions and noise)
-    in the run folder, and the numbers for the run report (None when skipped).
+    in the run folder, and the numbers for the run report (None when skipped). The teacher's samples
+    are the ones shipped beside it where they cover the set (`trainer.toy.reference`).
 
     A model sharded over several processes (FSDP2) cannot run on rank 0 alone; then the
     evaluation is skipped with a note, and the exported file can be evaluated instead.
@@ -66,12 +67,16 @@ def evaluate_toy(student: nn.Module, config: TrainConfig, output: Path, world: W
     if config.parallel.mode == "fsdp2" and world.world_size > 1:
         logger.info("ToyEval skipped: the student is sharded over %d processes (FSDP2)", world.world_size)
         return None
+    from trainer.toy.reference import teacher_samples
     from trainer.toy.report import compare, comparison_table, write_grid
 
     if config.training.autocast_dtype is not None:  # frozen weights are held in bf16: sample an fp32 copy
         student = copy.deepcopy(student).float()
     student.eval()
-    comparison = compare(load_toy_base().to(world.device), student, count=samples, progress=config.output.progress)
+    teacher = load_toy_base().to(world.device)
+    comparison = compare(
+        teacher, student, count=samples, teacher_raw=teacher_samples(samples), progress=config.output.progress
+    )
     numbers = comparison.as_dict()
     write_text_atomic(output / "toy_eval.md", comparison_table(numbers) + "\n")
     write_grid(output / "grid.png", comparison)

@@ -41,14 +41,13 @@ from trainer.seeds import derived_seed
 from trainer.toy.data import PALETTES, make_batch
 from trainer.toy.eval import batch_loss, eval_set, generate, sample_hits, score_hits, validation_loss
 from trainer.toy.model import TOY_CONFIG, WEIGHTS_FILE, build_toy_model, load_toy_base, load_toy_record, toy_arch
+from trainer.toy.reference import EvalSettings, save_teacher_samples
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PretrainConfig", "export_teacher", "main", "record_teacher", "train_teacher"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-_EVAL_SEED = 0
-"""The seed of the teacher's evaluation set (`trainer.toy.eval.eval_set`), recorded with its settings."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -159,17 +158,20 @@ def export_teacher(model, path: Path | str, cfg: PretrainConfig) -> Path:
 
 
 def record_teacher(path: Path | str, cfg: PretrainConfig, *, train_seconds: float, final_loss: float) -> dict:
-    """Reload the written file, measure ToyEval and validation loss, write `<name>.json` beside it."""
+    """Reload the written file, measure ToyEval and validation loss, write `<name>.json` beside it and the
+    ToyEval samples as `<name>_eval.safetensors` (`trainer.toy.reference`: a run's evaluation reuses them)."""
     path = Path(path)
     teacher = load_toy_base(path=path)
     palette = PALETTES[cfg.palette]
-    captions, noise = eval_set(cfg.eval_count, seed=_EVAL_SEED)
-    images = generate(teacher, captions, noise, steps=cfg.eval_steps, cfg=cfg.eval_cfg)
-    hits = sample_hits(images, captions, palette=palette)
+    settings = EvalSettings(steps=cfg.eval_steps, cfg=cfg.eval_cfg)
+    captions, noise = eval_set(cfg.eval_count, seed=settings.seed, size=settings.size)
+    raw = generate(teacher, captions, noise, steps=settings.steps, cfg=settings.cfg, clamp=False)
+    save_teacher_samples(raw, settings, teacher=path)
+    hits = sample_hits(raw.clamp(0.0, 1.0), captions, palette=palette)
     record = {
         "toyeval": score_hits(hits).as_dict(),
         "per_sample_overall": [int(hit["overall"]) for hit in hits],
-        "toyeval_settings": {"count": cfg.eval_count, "steps": cfg.eval_steps, "cfg": cfg.eval_cfg, "seed": _EVAL_SEED},
+        "toyeval_settings": {"count": cfg.eval_count, **asdict(settings)},
         "val_loss": validation_loss(teacher, palette=palette),
         "final_train_loss": final_loss,
         "train_seconds": round(train_seconds, 1),

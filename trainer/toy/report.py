@@ -36,6 +36,7 @@ from trainer.toy.eval import (
     teacher_distance,
     validation_loss,
 )
+from trainer.toy.reference import TOY_EVAL, EvalSettings
 from trainer.toy.stats import paired_difference
 
 logger = logging.getLogger(__name__)
@@ -143,17 +144,33 @@ class Comparison:
 
 @torch.no_grad()
 def compare(
-    teacher, student, *, count: int = 180, steps: int = 20, cfg: float = 3.0, seed: int = 0, progress: bool = False
+    teacher,
+    student,
+    *,
+    count: int = 180,
+    settings: EvalSettings = TOY_EVAL,
+    teacher_raw: Tensor | None = None,
+    progress: bool = False,
 ) -> Comparison:
-    """Sample the fixed evaluation set with both models from the same noise and score both; `progress`
-    shows a bar with an ETA over the sampling batches (the evaluation takes minutes on a CPU)."""
-    captions, noise = eval_set(count, seed=seed)
-    batches = 2 * math.ceil(count / GENERATE_BATCH)
+    """Sample the fixed evaluation set (`settings`) with both models from the same noise and score both;
+    `teacher_raw` are the teacher's samples of that set before the clamp where they are known
+    (`trainer.toy.reference.teacher_samples`), and then only the student is sampled. `progress` shows a
+    bar with an ETA over the sampling batches (the evaluation takes minutes on a CPU)."""
+    captions, noise = eval_set(count, seed=settings.seed, size=settings.size)
+    if teacher_raw is not None and teacher_raw.shape != (count, 3, settings.size, settings.size):
+        raise ValueError(f"teacher_raw: {count} samples of {settings.size} px expected, got {tuple(teacher_raw.shape)}")
+    models = (student,) if teacher_raw is not None else (teacher, student)
+    batches = len(models) * math.ceil(count / GENERATE_BATCH)
     with tqdm(total=batches, desc="ToyEval", unit="batch", disable=not progress, dynamic_ncols=True) as bar:
-        teacher_raw, student_raw = (
-            generate(model, captions, noise, steps=steps, cfg=cfg, on_batch=bar.update, clamp=False)
-            for model in (teacher, student)
-        )
+        sampled = [
+            generate(model, captions, noise, steps=settings.steps, cfg=settings.cfg, on_batch=bar.update, clamp=False)
+            for model in models
+        ]
+    if teacher_raw is None:
+        teacher_raw, student_raw = sampled
+    else:
+        (student_raw,) = sampled
+        teacher_raw = teacher_raw.to(student_raw.device)
     teacher_images, student_images = teacher_raw.clamp(0.0, 1.0), student_raw.clamp(0.0, 1.0)
     return Comparison(
         captions=captions,
