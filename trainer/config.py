@@ -379,9 +379,11 @@ class OutputConfig:
     """Write a metrics line every this many steps."""
     progress: bool = True
     """Show the rank-0 progress bar."""
-    toy_eval_samples: int = 180
+    toy_eval_samples: int = 64
     """Toy runs only: ToyEval the teacher and the trained student on this many captions (same noise)
-    and write `toy_eval.md` and `grid.png`; 0 skips it."""
+    and write `toy_eval.md` and `grid.png`; 0 skips it. 64 is one sampling batch, which keeps the
+    evaluation under a third of the default run (the teacher's samples are shipped); 180 samples every
+    caption once and narrows the paired interval from about +-0.11 to +-0.07."""
     base_dtype: Literal["base", "fp32"] = "base"
     """Precision of the deltas of trained inherited weights in the exported file: `base` = the base
     checkpoint's own (float16 or bfloat16 for the released SD3.5 files, float16 for the toy: half the
