@@ -123,6 +123,19 @@ FRONTIER_ROWS: tuple[Row, ...] = (
         "trainer: `all` hybrid, transfer (120 steps), then a rank-16 fine-tune of 120 steps",
         trainer_flags=(*_ALL_HYBRID, "--transfer.steps", "120", "--model.rank", "16"),
     ),
+    Row(
+        "run-all-hybrid-transfer-r16-1x-lr10",
+        "trainer: `all` hybrid, transfer (120 steps), then a rank-16 fine-tune of 120 steps, factors at 10x the rate",
+        trainer_flags=(
+            *_ALL_HYBRID,
+            "--transfer.steps",
+            "120",
+            "--model.rank",
+            "16",
+            "--optim.inherited_lr_mult",
+            "10",
+        ),
+    ),
 )
 """The frontier of full linear time on the toy: quality against total training time, each row a trainer run."""
 
