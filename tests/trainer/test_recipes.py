@@ -22,6 +22,7 @@ PIXELS_PER_TOKEN = 16
 """VAE factor 8 x patch 2."""
 CASES = [
     pytest.param("sd35_medium_24gb.toml", "sd3.5_medium", "RTX 4090", 1, id="medium-1xRTX4090"),
+    pytest.param("sd35_medium_full_linear_24gb.toml", "sd3.5_medium", "RTX 4090", 1, id="medium-full-linear-1xRTX4090"),
     pytest.param("sd35_medium_80gb.toml", "sd3.5_medium", "H100 80GB", 1, id="medium-1xH100"),
     pytest.param("sd35_medium.toml", "sd3.5_medium", "H20", 4, id="medium-4xH20"),
     pytest.param("sd35_large_80gb.toml", "sd3.5_large", "H100 80GB", 1, id="large-1xH100"),
