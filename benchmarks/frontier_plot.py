@@ -1,0 +1,167 @@
+"""The frontier of full linear time on the toy as a picture: ToyEval and validation loss (over the
+teacher's) against total training time, one line per recipe, from the trainer-run rows of ablation results.
+
+    python -m benchmarks.frontier_plot --json ablations_frontier_seed0 --out docs/toy_frontier.png
+
+Each point is one row's mean over its seeds; a recipe's line joins its rows in order of training time.
+The dashed lines are the teacher (ToyEval, and val loss 1.0x) and the goal's 1.10x; the dotted vertical
+line is the default run's training time (the `run-paper` row), the budget the goal allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+from benchmarks.timing import RESULTS_DIR
+
+__all__ = ["RECIPE_LINES", "Point", "draw_frontier", "frontier_points", "main"]
+
+RECIPE_LINES: dict[str, tuple[str, ...]] = {
+    "paper, full fine-tune (default run)": ("run-paper",),
+    "all hybrid, full fine-tune": ("run-all-hybrid", "run-all-hybrid-4x"),
+    "all hybrid, transfer then rank 16": (
+        "run-all-hybrid-transfer",
+        "run-all-hybrid-transfer-r16-0.5x",
+        "run-all-hybrid-transfer-r16-1x",
+    ),
+    "all hybrid, transfer then rank 16, factors 10x": (
+        "run-all-hybrid-transfer",
+        "run-all-hybrid-transfer-r16-1x-lr10",
+    ),
+}
+"""The recipes drawn, each a line through its rows (`benchmarks.ablations.FRONTIER_ROWS`)."""
+COLOURS = ((90, 90, 90), (31, 119, 180), (214, 39, 40), (44, 160, 44))
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One row: mean training seconds, ToyEval overall and val loss over the teacher's, over its seeds."""
+
+    row: str
+    seconds: float
+    toyeval: float
+    loss_ratio: float
+
+
+def frontier_points(results: list[dict]) -> tuple[dict[str, Point], float]:
+    """Each trainer row's `Point` and the teacher's ToyEval, from ablation rows (one dict per row and seed)."""
+    teacher = [r for r in results if r["row"] == "teacher"]
+    if not teacher:
+        raise ValueError("the results hold no `teacher` row: run the ablations with --rows teacher ...")
+    teacher_loss = statistics.mean(r["val_loss"] for r in teacher)
+    points = {}
+    for name in {r["row"] for r in results} - {"teacher"}:
+        rows = [r for r in results if r["row"] == name]
+        points[name] = Point(
+            name,
+            statistics.mean(r["train_seconds"] for r in rows),
+            statistics.mean(r["toyeval"]["overall"] for r in rows),
+            statistics.mean(r["val_loss"] for r in rows) / teacher_loss,
+        )
+    return points, statistics.mean(r["toyeval"]["overall"] for r in teacher)
+
+
+_PANEL, _MARGIN = (460, 320), (64, 36, 24, 48)
+"""Plot area in pixels; margins left, top, right, bottom."""
+
+
+def _panel(draw, font, origin, x_range, y_range, title):
+    """Axes with ticks; returns the data-to-pixel map of the panel."""
+    left, top = origin[0] + _MARGIN[0], origin[1] + _MARGIN[1]
+    width, height = _PANEL
+    (x0, x1), (y0, y1) = x_range, y_range
+
+    def to_pixel(x: float, y: float) -> tuple[float, float]:
+        return left + (x - x0) / (x1 - x0) * width, top + height - (y - y0) / (y1 - y0) * height
+
+    draw.rectangle((left, top, left + width, top + height), outline=(0, 0, 0))
+    for i in range(5):
+        x, y = x0 + (x1 - x0) * i / 4, y0 + (y1 - y0) * i / 4
+        px, _ = to_pixel(x, y0)
+        _, py = to_pixel(x0, y)
+        draw.line((px, top + height, px, top + height + 4), fill=(0, 0, 0))
+        draw.text((px - 10, top + height + 6), f"{x:.0f}", fill=(0, 0, 0), font=font)
+        draw.line((left - 4, py, left, py), fill=(0, 0, 0))
+        draw.text((left - 40, py - 6), f"{y:.2f}", fill=(0, 0, 0), font=font)
+    draw.text((left, top - 22), title, fill=(0, 0, 0), font=font)
+    draw.text((left + width // 2 - 70, top + height + 24), "total training time (s)", fill=(0, 0, 0), font=font)
+    return to_pixel
+
+
+def _dashed(draw, start, end, colour, *, dash: int = 6):
+    (xa, ya), (xb, yb) = start, end
+    steps = max(int(max(abs(xb - xa), abs(yb - ya)) // dash), 1)
+    for i in range(0, steps, 2):
+        t0, t1 = i / steps, min(i + 1, steps) / steps
+        draw.line((xa + (xb - xa) * t0, ya + (yb - ya) * t0, xa + (xb - xa) * t1, ya + (yb - ya) * t1), fill=colour)
+
+
+def draw_frontier(points: dict[str, Point], teacher_toyeval: float, path: Path) -> Path:
+    """Write the two-panel PNG (ToyEval, val loss / teacher's against seconds) of `frontier_points`."""
+    font = ImageFont.load_default()
+    panel_width = _MARGIN[0] + _PANEL[0] + _MARGIN[2]
+    legend_height = 18 * len(RECIPE_LINES) + 12
+    image = Image.new("RGB", (2 * panel_width, _MARGIN[1] + _PANEL[1] + _MARGIN[3] + legend_height), "white")
+    draw = ImageDraw.Draw(image)
+    x_max = max(p.seconds for p in points.values()) * 1.1
+    toyevals = [p.toyeval for p in points.values()] + [teacher_toyeval]
+    ratios = [p.loss_ratio for p in points.values()] + [1.0]
+    ranges = {
+        "toyeval": ((min(toyevals) - 0.05, max(toyevals) + 0.05), "ToyEval overall", (teacher_toyeval,)),
+        "loss_ratio": ((0.9, max(ratios) * 1.05), "val loss / teacher's", (1.0, 1.10)),
+    }
+    budget = points.get("run-paper")
+    for index, (field, (y_range, title, references)) in enumerate(ranges.items()):
+        to_pixel = _panel(draw, font, (index * panel_width, 0), (0, x_max), y_range, title)
+        for value in references:
+            _dashed(draw, to_pixel(0, value), to_pixel(x_max, value), (120, 120, 120))
+        if budget is not None:
+            _dashed(
+                draw,
+                to_pixel(budget.seconds, y_range[0]),
+                to_pixel(budget.seconds, y_range[1]),
+                (160, 160, 160),
+                dash=3,
+            )
+        for rows, colour in zip(RECIPE_LINES.values(), COLOURS, strict=True):
+            line = sorted((points[r] for r in rows if r in points), key=lambda p: p.seconds)
+            pixels = [to_pixel(p.seconds, getattr(p, field)) for p in line]
+            if len(pixels) > 1:
+                draw.line(pixels, fill=colour, width=2)
+            for x, y in pixels:
+                draw.ellipse((x - 4, y - 4, x + 4, y + 4), fill=colour)
+    legend_top = _MARGIN[1] + _PANEL[1] + _MARGIN[3]
+    for index, (name, colour) in enumerate(zip(RECIPE_LINES, COLOURS, strict=True)):
+        y = legend_top + 18 * index
+        draw.line((_MARGIN[0], y + 6, _MARGIN[0] + 24, y + 6), fill=colour, width=3)
+        draw.text((_MARGIN[0] + 32, y), name, fill=(0, 0, 0), font=font)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", nargs="+", required=True, help="ablation result names under --results-dir")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--out", type=Path, default=Path("docs/toy_frontier.png"))
+    args = parser.parse_args(argv)
+    results = []
+    for name in args.json:
+        results += json.loads((args.results_dir / f"{name}.json").read_text(encoding="utf-8"))["rows"]
+    points, teacher = frontier_points(results)
+    print("| row | training s | ToyEval | val loss / teacher |\n|---|---|---|---|")
+    for point in sorted(points.values(), key=lambda p: p.seconds):
+        print(f"| {point.row} | {point.seconds:.0f} | {point.toyeval:.3f} | {point.loss_ratio:.2f}x |")
+    print(f"wrote {draw_frontier(points, teacher, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
