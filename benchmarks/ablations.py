@@ -104,6 +104,11 @@ FRONTIER_ROWS: tuple[Row, ...] = (
     ),
     Row("run-all-hybrid", "trainer: `all` hybrid, 120 full fine-tune steps", trainer_flags=_ALL_HYBRID),
     Row(
+        "run-all-hybrid-2x",
+        "trainer: `all` hybrid, 240 full fine-tune steps",
+        trainer_flags=(*_ALL_HYBRID, "--training.steps", "240"),
+    ),
+    Row(
         "run-all-hybrid-4x",
         "trainer: `all` hybrid, 480 full fine-tune steps",
         trainer_flags=(*_ALL_HYBRID, "--training.steps", "480"),

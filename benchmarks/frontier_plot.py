@@ -24,7 +24,7 @@ __all__ = ["RECIPE_LINES", "Point", "draw_frontier", "frontier_points", "main"]
 
 RECIPE_LINES: dict[str, tuple[str, ...]] = {
     "paper, full fine-tune (default run)": ("run-paper",),
-    "all hybrid, full fine-tune": ("run-all-hybrid", "run-all-hybrid-4x"),
+    "all hybrid, full fine-tune": ("run-all-hybrid", "run-all-hybrid-2x", "run-all-hybrid-4x"),
     "all hybrid, transfer then rank 16": (
         "run-all-hybrid-transfer",
         "run-all-hybrid-transfer-r16-0.5x",
