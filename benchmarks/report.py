@@ -415,7 +415,16 @@ def _file_size(result: Result) -> list[str]:
         ]
         for row in result["rows"]
     ]
-    header = ["model", "layers", "trainable", "rank", "T5 params", "delta params", "file, fp32 deltas", "file, base precision"]
+    header = [
+        "model",
+        "layers",
+        "trainable",
+        "rank",
+        "T5 params",
+        "delta params",
+        "file, fp32 deltas",
+        "file, base precision",
+    ]
     lines = [intro, "", *_table(header, rows)]
     if "toy_cost" in meta:
         cost = [
