@@ -23,6 +23,7 @@ from trainer.toy.model import (
     sigma_schedule,
 )
 from trainer.toy.pretrain import PretrainConfig
+from trainer.toy.reference import samples_file
 
 REPRO_SAMPLES = 24
 
@@ -183,5 +184,7 @@ def test_the_teacher_record_draws_its_evaluation_set_once(tmp_path, monkeypatch)
     cfg = PretrainConfig(eval_count=3, eval_steps=1)
     path = pretrain.export_teacher(build_toy_model(seed=0), tmp_path / "teacher.safetensors", cfg)
     record = pretrain.record_teacher(path, cfg, train_seconds=1.0, final_loss=0.5)
-    assert drawn == [(3, {"seed": record["toyeval_settings"]["seed"]})]
+    settings = record["toyeval_settings"]
+    assert drawn == [(3, {"seed": settings["seed"], "size": settings["size"]})]
+    assert samples_file(path).is_file()  # the samples a run's evaluation reuses
     assert record["toyeval"]["overall"] == sum(record["per_sample_overall"]) / 3
