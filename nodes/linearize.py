@@ -14,6 +14,7 @@ from comfy_api.latest import ComfyExtension, io
 from typing_extensions import override
 
 from t5core.config import BaseArch
+from t5core.file_stamp import file_identity
 from t5core.hosts import comfy as comfy_host
 from t5core.layers import resolve_layers
 
@@ -78,7 +79,9 @@ class T5Linearize(io.ComfyNode):
                         "Empty: convert every attention module the file holds. Otherwise a subset of them, "
                         "to trade speed for quality: 'paper', 'joint:18-23', 'attn2:0-12', 'blocks.20.attn', "
                         "comma separated. Fewer converted modules = closer to the original, slower at high "
-                        "resolution."
+                        "resolution. The modules left out keep the model's own weights: the file's changes to "
+                        "them, and to the rest of a block where every module it converts is left out, are not "
+                        "applied."
                     ),
                 ),
                 io.Boolean.Input(
@@ -88,16 +91,58 @@ class T5Linearize(io.ComfyNode):
                     label_off="off (original model)",
                     tooltip="Off passes the model through unchanged, exactly like bypassing the node.",
                 ),
+                io.Float.Input(
+                    "start_percent",
+                    default=0.0,
+                    min=0.0,
+                    max=1.0,
+                    step=0.001,
+                    optional=True,
+                    tooltip=(
+                        "Where in sampling T5 attention starts (0 = the first step). Before it the converted "
+                        "modules run the original softmax attention, e.g. 0.2 lets the layout form with softmax. "
+                        "The file's changes to the model's weights apply on every step."
+                    ),
+                ),
+                io.Float.Input(
+                    "end_percent",
+                    default=1.0,
+                    min=0.0,
+                    max=1.0,
+                    step=0.001,
+                    optional=True,
+                    tooltip="Where in sampling T5 attention ends (1 = the last step); softmax after it.",
+                ),
             ],
-            outputs=[io.Model.Output(tooltip="The model running T5 attention on the converted modules.")],
+            outputs=[
+                io.Model.Output(tooltip="The model running T5 attention on the converted modules."),
+                io.String.Output(
+                    "status",
+                    tooltip=(
+                        "What the node did: the file, the modules converted, the backend that runs them, the "
+                        "schedule, whether the model is the file's base and the weight changes applied or left "
+                        "out. Wire it to a text display node."
+                    ),
+                ),
+            ],
         )
 
     @classmethod
     def validate_inputs(
-        cls, weights: str | None = None, layers: str | None = None, enabled: bool | None = True
+        cls,
+        weights: str | None = None,
+        layers: str | None = None,
+        enabled: bool | None = True,
+        start_percent: float | None = 0.0,
+        end_percent: float | None = 1.0,
     ) -> bool | str:
         if enabled is False:
             return True
+        if start_percent is not None and end_percent is not None and start_percent > end_percent:
+            return (
+                f"T5 Linearize: start_percent {start_percent} is after end_percent {end_percent}; T5 runs between "
+                "them. Set start_percent <= end_percent."
+            )
         if layers and layers.strip():
             try:
                 resolve_layers(layers.strip(), _ANY_MODEL)
@@ -112,12 +157,28 @@ class T5Linearize(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, model, weights: str, layers: str = "", enabled: bool = True) -> io.NodeOutput:
+    def fingerprint_inputs(cls, weights: str | None = None, **_: object) -> tuple | None:
+        """The weights file's identity on disk, so a file replaced under the same name is read again."""
+        path = folder_paths.get_full_path(FOLDER, weights) if weights else None
+        return file_identity(path) if path else None
+
+    @classmethod
+    def execute(
+        cls,
+        model,
+        weights: str,
+        layers: str = "",
+        enabled: bool = True,
+        start_percent: float = 0.0,
+        end_percent: float = 1.0,
+    ) -> io.NodeOutput:
         if not enabled:
-            return io.NodeOutput(model)
+            return io.NodeOutput(model, "T5 Linearize: off (the model passes through unchanged)")
         path = folder_paths.get_full_path_or_raise(FOLDER, weights)
         spec = layers.strip() if layers else ""
-        return io.NodeOutput(comfy_host.linearize(model, path, layers=spec or None))
+        schedule = comfy_host.Schedule(start_percent, end_percent)
+        converted = comfy_host.linearize(model, path, layers=spec or None, schedule=schedule)
+        return io.NodeOutput(converted, comfy_host.summary(converted))
 
 
 class T5LinearizeExtension(ComfyExtension):

@@ -17,12 +17,13 @@ import os
 from types import ModuleType
 from typing import Literal
 
+import torch
 from torch import Tensor
 
 from t5core.contract import T5Layout, T5Params
 from t5core.ttt_chunked import chunked_attention
 
-__all__ = ["Backend", "BACKENDS", "attend", "resolve_backend"]
+__all__ = ["Backend", "BACKENDS", "attend", "describe_backend", "resolve_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +65,20 @@ def _requested(requested: str) -> str:
     return requested
 
 
-def _choose(requested: str, q: Tensor, variant: str) -> Literal["torch", "triton"]:
-    """The backend for one call, from an already normalised `requested`; asks the kernels once."""
-    if requested == "torch":
-        return "torch"
+def _unsupported(requested: str, q: Tensor, variant: str) -> str | None:
+    """Why the kernels cannot run a call like `q` (None when they can), for a normalised `requested`."""
     package = _kernels()
     reason = package if isinstance(package, str) else package.unsupported_reason(q, variant=variant)
     if reason is None and requested == "auto":
         reason = _BUILD_FAILURES.get(_failure_key(q, variant))
+    return reason
+
+
+def _choose(requested: str, q: Tensor, variant: str) -> Literal["torch", "triton"]:
+    """The backend for one call, from an already normalised `requested`; asks the kernels once."""
+    if requested == "torch":
+        return "torch"
+    reason = _unsupported(requested, q, variant)
     if requested == "triton":
         if reason is not None:
             raise RuntimeError(
@@ -98,6 +105,24 @@ def resolve_backend(requested: str, q: Tensor, *, variant: str) -> Literal["torc
         RuntimeError: `"triton"` was requested and cannot run this call; says why and what to do.
     """
     return _choose(_requested(requested), q, variant)
+
+
+def describe_backend(
+    requested: str, device: torch.device | str, dtype: torch.dtype, *, head_dim: int, variant: str
+) -> str:
+    """Which backend calls on `device` in `dtype` will run, in words, without running one: "Triton
+    kernels", or "torch" with the reason (requested, or why the kernels cannot run there).
+
+    Raises:
+        ValueError: an unknown backend name (argument or `T5_BACKEND`).
+    """
+    requested = _requested(requested)
+    if requested == "torch":
+        return "torch (requested)"
+    reason = _unsupported(requested, torch.empty(1, 1, 1, head_dim, device=device, dtype=dtype), variant)
+    if reason is None:
+        return "Triton kernels"
+    return f"torch ({reason})" if requested == "auto" else f"Triton requested, but {reason}"
 
 
 def attend(requested: str, q: Tensor, k: Tensor, v: Tensor, params: T5Params, layout: T5Layout) -> Tensor:

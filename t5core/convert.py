@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from torch import Tensor
 
@@ -24,9 +25,54 @@ from t5core.layers import LayerSpec
 from t5core.sd3_keys import diffusers_module, diffusers_to_sd3, key_rules
 from t5core.weights import T5Weights, T5WeightsError, build_modules, check_base, check_compatible, load
 
-__all__ = ["Prepared", "base_sources", "base_tensors", "check_fingerprint", "prepare"]
+__all__ = ["Prepared", "base_sources", "base_tensors", "check_fingerprint", "left_out_by", "prepare"]
 
 logger = logging.getLogger(__name__)
+
+
+_ATTENTION_KEY = re.compile(r"joint_blocks\.(\d+)\.(?:x_block|context_block)\.(attn2?)\.")
+_BLOCK = re.compile(r"(?:joint_)?blocks\.(\d+)\.")
+
+
+def _attention_layer(key: str) -> str | None:
+    """The attention module an SD3 tensor belongs to (`blocks.3.attn` for the joint attention's image
+    and text projections), None for a tensor outside attention."""
+    match = _ATTENTION_KEY.match(key)
+    return f"blocks.{match[1]}.{match[2]}" if match else None
+
+
+def _block(name: str) -> str | None:
+    """The joint block index an SD3 tensor (`joint_blocks.3.`) or layer (`blocks.3.attn`) is in."""
+    match = _BLOCK.match(name)
+    return match[1] if match else None
+
+
+def left_out_by(keys: Iterable[str], file_layers: Iterable[str], chosen: Iterable[str]) -> frozenset[str]:
+    """The file's changes to inherited weights that a `layers` subset leaves out.
+
+    A change goes with the conversion it was trained for: an attention module's own tensors (its
+    q/k/v, output projection and q/k norms) with that module; the other tensors of a joint block (MLP,
+    adaLN modulation) with the block, so they are left out when the subset converts none of the block's
+    modules the file converts. Tensors of modules the file does not convert, of blocks it converts
+    nothing in, and outside the joint blocks (embedders, final layer) stay: the subset does not reach
+    them. Choosing all the file's layers leaves nothing out.
+
+    Args:
+        keys: SD3 names of the file's `base.*` tensors or deltas.
+        file_layers: the modules the file converts.
+        chosen: the modules converted for this model.
+
+    Returns:
+        The keys to leave out.
+    """
+    dropped = set(file_layers) - set(chosen)
+    blocks_dropped = {_block(layer) for layer in dropped} - {_block(layer) for layer in chosen}
+    left_out = set()
+    for key in keys:
+        layer = _attention_layer(key)
+        if (layer in dropped) if layer is not None else (_block(key) in blocks_dropped):
+            left_out.add(key)
+    return frozenset(left_out)
 
 
 @dataclass(frozen=True)
@@ -37,6 +83,11 @@ class Prepared:
         weights: the loaded file.
         config: the file's settings, with `layers` set to the modules chosen for this model.
         modules: a `T5Attention` holding the file's tensors per chosen module (`blocks.3.attn`).
+        base: the file's `base.*` tensors to apply, in SD3 naming, each checked to be a model tensor of
+            the same shape; a `layers` subset leaves out those of the modules it leaves out (`left_out_by`).
+        deltas: the file's deltas to add, in SD3 naming, each checked to be of a model tensor of its
+            shape; chosen like `base`.
+        left_out: SD3 names of the file's `base.*` tensors and deltas the subset left out, sorted.
         fingerprint_matches: whether the model is the base the file was trained on
             (`check_fingerprint`); None when the file has no fingerprint.
     """
@@ -44,6 +95,9 @@ class Prepared:
     weights: T5Weights
     config: T5Config
     modules: dict[str, T5Attention]
+    base: dict[str, Tensor] = field(default_factory=dict)
+    deltas: dict[str, Delta] = field(default_factory=dict)
+    left_out: tuple[str, ...] = ()
     fingerprint_matches: bool | None = None
 
     @property
@@ -51,15 +105,18 @@ class Prepared:
         """The chosen modules, in the order of the config."""
         return self.config.layers
 
-    @property
-    def base(self) -> dict[str, Tensor]:
-        """The file's `base.*` tensors in SD3 naming, each checked to be a model tensor of the same shape."""
-        return self.weights.base
-
-    @property
-    def deltas(self) -> dict[str, Delta]:
-        """The file's deltas in SD3 naming, each checked to be of a model tensor of its shape."""
-        return self.weights.deltas
+    def describe(self) -> str:
+        """One line on what the file converts and changes here: "6 of 6 modules the file converts; 40
+        deltas added (40 low rank, 0 full); 75 left out with the modules the subset leaves out"."""
+        parts = [f"{len(self.layers)} of {len(self.weights.config.layers)} modules the file converts"]
+        if self.base:
+            parts.append(f"{len(self.base)} base weights applied")
+        if self.deltas:
+            low_rank = sum(delta.low_rank for delta in self.deltas.values())
+            parts.append(f"{len(self.deltas)} deltas added ({low_rank} low rank, {len(self.deltas) - low_rank} full)")
+        if self.left_out:
+            parts.append(f"{len(self.left_out)} changes to base weights left out with the modules not converted")
+        return "; ".join(parts)
 
 
 def check_fingerprint(weights: T5Weights, model_fingerprint: Callable[[], str]) -> bool | None:
@@ -138,7 +195,16 @@ def prepare(
         check_base(weights, model_state())
     matches = check_fingerprint(weights, model_fingerprint)
     config = replace(weights.config, layers=chosen)
-    return Prepared(weights, config, build_modules(weights, chosen, backend=backend), matches)
+    left_out = left_out_by([*weights.base, *weights.deltas], weights.config.layers, chosen)
+    return Prepared(
+        weights,
+        config,
+        build_modules(weights, chosen, backend=backend),
+        base={key: tensor for key, tensor in weights.base.items() if key not in left_out},
+        deltas={key: delta for key, delta in weights.deltas.items() if key not in left_out},
+        left_out=tuple(sorted(left_out)),
+        fingerprint_matches=matches,
+    )
 
 
 def base_sources(arch: BaseArch, *, params: Iterable[str] = (), layers: Iterable[str] = ()) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ def sampling_prompt(
     prefix: str,
     layers: str = "",
     enabled: bool = True,
+    schedule: tuple[float, float] | None = None,
     lora: str | None = None,
     before: Sequence[ModelNode] = (),
     after: Sequence[ModelNode] = (),
@@ -39,6 +40,8 @@ def sampling_prompt(
         checkpoint, weights: file names in `models/checkpoints/` and `models/t5_linearize/`.
         prefix: SaveLatent's file name prefix.
         layers, enabled: the T5 Linearize inputs.
+        schedule: its (start_percent, end_percent); None leaves them out (every step, as in a prompt
+            saved before the node had them).
         lora: a file in `models/loras/` loaded after T5 Linearize (strength 1), after `after`.
         before, after: model nodes chained, in order, between ModelSamplingSD3 and T5 Linearize and
             between T5 Linearize and the KSampler (ids "10", "11", ...).
@@ -49,7 +52,12 @@ def sampling_prompt(
         "2": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["1", 0], "shift": 3.0}},
         "3": {
             "class_type": "T5Linearize",
-            "inputs": {"weights": weights, "layers": layers, "enabled": enabled},
+            "inputs": {
+                "weights": weights,
+                "layers": layers,
+                "enabled": enabled,
+                **(dict(zip(("start_percent", "end_percent"), schedule, strict=True)) if schedule else {}),
+            },
         },
         "4": {
             "class_type": "T5TestConditioning",

@@ -5,9 +5,10 @@
 
 * for every block with a converted attention, `JointBlock.forward` is replaced by an object patch
   (`JointForward`) that runs the block's own pre- and post-attention around T5 attention;
-* an `APPLY_MODEL` wrapper (`CallContext.wrapper`) puts the latent token grid and the blocks of the
-  model actually running into `transformer_options["t5_linearize"]`, so the patch follows the model
-  when ComfyUI 0.33 re-creates it (`clone(disable_dynamic=True)`, hooks, torch.compile);
+* an `APPLY_MODEL` wrapper (a `Schedule`) puts the latent token grid, the blocks of the model actually
+  running and whether this call runs T5 (its place in sampling) into
+  `transformer_options["t5_linearize"]`, so the patch follows the model when ComfyUI 0.33 re-creates
+  it (`clone(disable_dynamic=True)`, hooks, torch.compile);
 * the T5 modules live in their own patcher, of the same kind as the model's (Dynamic VRAM's
   `ModelPatcherDynamic` on ComfyUI 0.33 with NVIDIA, `ModelPatcher` otherwise), registered as an
   additional model, so ComfyUI loads, moves and offloads them with the diffusion model;
@@ -43,14 +44,25 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from t5core.backend import describe_backend
 from t5core.config import BaseArch
 from t5core.convert import Prepared, prepare
 from t5core.deltas import Delta, TensorsOnRead, fingerprint, fingerprint_keys
-from t5core.hosts.comfy_runtime import KEY, CallContext, JointForward, T5Modules
+from t5core.hosts.comfy_runtime import KEY, CallContext, JointForward, Schedule, T5Modules
 from t5core.layers import LayerSpec
 from t5core.weights import T5Weights, T5WeightsError
 
-__all__ = ["KEY", "CallContext", "JointForward", "T5Modules", "arch_of", "converted_layers", "linearize"]
+__all__ = [
+    "KEY",
+    "CallContext",
+    "JointForward",
+    "Schedule",
+    "T5Modules",
+    "arch_of",
+    "converted_layers",
+    "linearize",
+    "summary",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +114,22 @@ def arch_of(model_patcher: Any) -> BaseArch:
     )
 
 
+def _t5_modules(model_patcher: Any) -> T5Modules | None:
+    additional = getattr(model_patcher, "additional_models", {}).get(KEY, [])
+    return additional[0].model if additional else None
+
+
 def converted_layers(model_patcher: Any) -> tuple[str, ...]:
     """The layers a `linearize`d ModelPatcher runs as T5 attention; () for any other model."""
-    additional = getattr(model_patcher, "additional_models", {}).get(KEY, [])
-    return additional[0].model.layers() if additional else ()
+    modules = _t5_modules(model_patcher)
+    return modules.layers() if modules is not None else ()
+
+
+def summary(model_patcher: Any) -> str:
+    """What `linearize` did to this ModelPatcher, a fact per line (file, modules, backend, schedule,
+    base match, changes to weights); "" for a model it did not convert."""
+    modules = _t5_modules(model_patcher)
+    return modules.summary if modules is not None else ""
 
 
 _PatchKey = str | tuple[str, tuple[int, int, int]]
@@ -218,15 +242,31 @@ def _fingerprint(stored: Callable[[], Mapping[str, _Stored]], arch: BaseArch) ->
     return fingerprint(TensorsOnRead(fingerprint_keys(arch), lambda key: stored()[key].value()), arch)
 
 
-def _describe_changes(prepared: Prepared) -> str:
-    """The summary line's account of the file's changes to inherited weights ("" for none)."""
-    if prepared.base:
-        return f", {len(prepared.base)} base weights patched"
-    if not prepared.deltas:
-        return ""
-    low_rank = sum(delta.low_rank for delta in prepared.deltas.values())
-    other = ", made for another base" if prepared.fingerprint_matches is False else ""
-    return f", {len(prepared.deltas)} deltas added ({low_rank} low rank, {len(prepared.deltas) - low_rank} full){other}"
+_BASE_MATCH = {
+    True: "the file's own base",
+    False: "not the file's base (a fine-tune of it, or another model): its changes added anyway",
+    None: "not recorded in the file",
+}
+
+
+def _summary(prepared: Prepared, model_patcher: Any, arch: BaseArch, schedule: Schedule, backend: str) -> str:
+    """What the conversion did, one fact per line: the file, modules, backend, schedule, base match and
+    changes to the model's weights (the node's status output and, joined, its log line)."""
+    model = model_patcher.model
+    dtype = getattr(model, "manual_cast_dtype", None) or model_patcher.model_dtype()
+    device = model_patcher.load_device
+    runs = describe_backend(backend, device, dtype, head_dim=arch.head_dim, variant=prepared.config.variant)
+    return "\n".join(
+        (
+            f"T5 Linearize: {prepared.weights.name}",
+            f"modules: T5 attention on {len(prepared.layers)} of {len(arch.attention_modules())} attention modules "
+            f"({','.join(prepared.layers)})",
+            f"backend: {runs} on {device}",
+            f"schedule: T5 {schedule.describe()}",
+            f"base: {_BASE_MATCH[prepared.fingerprint_matches]}",
+            f"file: {prepared.describe()}",
+        )
+    )
 
 
 def _t5_patcher(model_patcher: Any, modules: T5Modules) -> Any:
@@ -246,6 +286,7 @@ def linearize(
     *,
     layers: LayerSpec | None = None,
     backend: str = "auto",
+    schedule: Schedule | None = None,
 ) -> Any:
     """Convert a ComfyUI SD3-family model to T5 attention, on a clone.
 
@@ -255,9 +296,11 @@ def linearize(
         layers (`str | Sequence[str]`, *optional*): restricts the conversion to a subset of the
             file's layers (a layer spec, see `t5core.layers`); None converts all of them.
         backend (`"auto" | "torch" | "triton"`, *optional*, defaults to `"auto"`): T5 attention backend.
+        schedule (`Schedule`, *optional*): the part of sampling that runs T5 attention; softmax outside
+            it, with the file's changes to the model's weights applied throughout. None: all of it.
 
     Returns:
-        A patched clone of `model_patcher`.
+        A patched clone of `model_patcher`; `summary` of it says what was done, as the log line does.
 
     Raises:
         TypeError: the MODEL is not an SD3-family MMDiT (the message names the model).
@@ -268,6 +311,7 @@ def linearize(
     """
     import comfy.patcher_extension
 
+    schedule = schedule or Schedule()
     arch, diffusion = arch_of(model_patcher), _diffusion_model(model_patcher)
     if converted_layers(model_patcher):
         raise ValueError(
@@ -292,7 +336,7 @@ def linearize(
             f"layers {layers!r} selects no attention module; to run the model unchanged, turn T5 Linearize off."
         )
     plan = _plan_weights(prepared, stored, model_patcher)
-    modules = T5Modules(prepared.modules)
+    modules = T5Modules(prepared.modules, _summary(prepared, model_patcher, arch, schedule, backend))
     modules.requires_grad_(False)
 
     patched = model_patcher.clone()
@@ -305,16 +349,9 @@ def linearize(
         if name in patched.object_patches:
             logger.warning("T5 Linearize: replacing another node's patch of %s", name)
         patched.add_object_patch(name, patch)
-    patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, KEY, CallContext.wrapper)
+    patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, KEY, schedule)
     patched.set_additional_models(KEY, [_t5_patcher(model_patcher, modules)])
     if plan.weight_patches:
         patched.add_patches(plan.weight_patches, strength_patch=1.0)
-    logger.info(
-        "T5 Linearize: %s runs T5 attention on %d of %d attention modules (%s)%s",
-        prepared.weights.name,
-        len(prepared.layers),
-        len(arch.attention_modules()),
-        ",".join(prepared.layers),
-        _describe_changes(prepared),
-    )
+    logger.info("%s", modules.summary.replace("\n", "; "))
     return patched

@@ -1,7 +1,8 @@
 """What runs inside a converted ComfyUI MMDiT on each call.
 
-`CallContext.wrapper` (the `APPLY_MODEL` wrapper) puts the latent token grid and the blocks of the
-model actually running into `transformer_options[KEY]`; `JointForward` (the object patch of a
+`Schedule` (the `APPLY_MODEL` wrapper) puts the latent token grid, the blocks of the model actually
+running and whether this call runs T5 (its place in the sampling schedule) into
+`transformer_options[KEY]`; `JointForward` (the object patch of a
 `JointBlock.forward`) runs the block's own pre- and post-attention around T5 attention, looking its
 block up there per call. `T5Modules` holds the T5 modules in the file's layout for the patcher that
 ComfyUI loads and offloads. `t5core.hosts.comfy` installs them.
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 
 from t5core.attention import T5Attention
 
-__all__ = ["COPY_LOG", "KEY", "CallContext", "JointForward", "T5Modules"]
+__all__ = ["COPY_LOG", "KEY", "CallContext", "JointForward", "Schedule", "T5Modules"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +35,12 @@ KEY = "t5_linearize"
 
 
 class T5Modules(nn.Module):
-    """The converted modules, laid out as `blocks.{i}.attn` / `blocks.{i}.attn2` (the file's names)."""
+    """The converted modules, laid out as `blocks.{i}.attn` / `blocks.{i}.attn2` (the file's names), and
+    the conversion's summary (`t5core.hosts.comfy.summary`)."""
 
-    def __init__(self, modules: Mapping[str, T5Attention]) -> None:
+    def __init__(self, modules: Mapping[str, T5Attention], summary: str = "") -> None:
         super().__init__()
+        self.summary = summary
         self.blocks = nn.ModuleDict()
         for name, module in modules.items():
             _, index, kind = name.split(".")
@@ -99,18 +102,65 @@ class CallContext:
         blocks: the `joint_blocks` of the diffusion model running this call. ComfyUI 0.33 can run a
             clone on a re-created model (`clone(disable_dynamic=True)`, hooks, torch.compile), whose
             object patches are this clone's: the patches look their block up here, never keep one.
+        t5: whether this call runs T5 attention (inside the `Schedule`); softmax otherwise.
     """
 
     grid: tuple[int, int]
     blocks: nn.ModuleList
+    t5: bool = True
 
-    @staticmethod
-    def wrapper(executor, x, t, c_concat, c_crossattn, control, transformer_options, **kwargs):
-        """`APPLY_MODEL` wrapper: this call's `CallContext` into a copy of `transformer_options`."""
-        diffusion = executor.class_obj.diffusion_model
+
+@dataclass(frozen=True)
+class Schedule:
+    """When T5 attention runs, as a fraction of sampling in ComfyUI's convention (its ControlNet and hook
+    nodes): `percent_to_sigma` of the model's sampling turns each percent into a noise level, and T5
+    runs on the calls whose noise level lies between those of `start_percent` and `end_percent`;
+    the converted modules run ComfyUI's softmax attention on the others.
+
+    An instance is the host's `APPLY_MODEL` wrapper: it puts this call's `CallContext` into a copy of
+    `transformer_options`.
+
+    Raises:
+        ValueError: a percent outside [0, 1], or `start_percent` after `end_percent`.
+    """
+
+    start_percent: float = 0.0
+    end_percent: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.start_percent <= self.end_percent <= 1.0:
+            raise ValueError(
+                f"start_percent {self.start_percent} and end_percent {self.end_percent} must satisfy "
+                "0 <= start_percent <= end_percent <= 1 (T5 runs between them, softmax outside)."
+            )
+
+    @property
+    def whole(self) -> bool:
+        """T5 on every call."""
+        return self.start_percent <= 0.0 and self.end_percent >= 1.0
+
+    def describe(self) -> str:
+        """ "every step", or "from 20% to 100% of sampling (softmax outside)"."""
+        if self.whole:
+            return "every step"
+        return f"from {self.start_percent:.0%} to {self.end_percent:.0%} of sampling (softmax outside)"
+
+    def runs_t5(self, model_sampling, sigma: float) -> bool:
+        """Whether a call at noise level `sigma` runs T5 attention (`model_sampling` is the model's)."""
+        if self.whole:
+            return True
+        low, high = (model_sampling.percent_to_sigma(p) for p in (self.end_percent, self.start_percent))
+        return low <= sigma <= high
+
+    def __call__(self, executor, x, t, c_concat, c_crossattn, control, transformer_options, **kwargs):
+        """`APPLY_MODEL` wrapper; `t` is the call's sigma (one per sample; the first decides, as for
+        ComfyUI's ControlNet)."""
+        model = executor.class_obj
+        diffusion = model.diffusion_model
         patch_h, patch_w = diffusion.x_embedder.patch_size
         height, width = x.shape[-2:]
-        context = CallContext((math.ceil(height / patch_h), math.ceil(width / patch_w)), diffusion.joint_blocks)
+        t5 = self.whole or self.runs_t5(model.model_sampling, float(t.reshape(-1)[0]))
+        context = CallContext((math.ceil(height / patch_h), math.ceil(width / patch_w)), diffusion.joint_blocks, t5)
         options = {**transformer_options, KEY: context}
         return executor(x, t, c_concat, c_crossattn, control, options, **kwargs)
 
@@ -120,9 +170,10 @@ class JointForward:
 
     A plain callable, not an `nn.Module` (an object patch holding a Module would register it as a
     child named `forward` instead of calling it). It holds no block: each call takes block `index`
-    of the running model from its `CallContext` (so `CallContext.wrapper` must be registered too).
-    With `attn` / `attn2` None that attention stays ComfyUI's `optimized_attention`, so
-    `JointForward(index)` reproduces the stock block exactly.
+    of the running model from its `CallContext` (so a `Schedule` must be registered as the
+    `APPLY_MODEL` wrapper too). With `attn` / `attn2` None, or on a call outside the schedule, that
+    attention stays ComfyUI's `optimized_attention`, so `JointForward(index)` reproduces the stock block
+    exactly.
 
     Args:
         index: the block's position in `joint_blocks`.
@@ -155,11 +206,12 @@ class JointForward:
         block = call.blocks[self.index]
         if self.attn2 is not None and not block.x_block.x_block_self_attn:
             raise ValueError(f"block {self.index} has no image-only attention (attn2) for the T5 module given.")
+        modules = (self.attn, self.attn2) if call.t5 else (None, None)
         if use_checkpoint and torch.is_grad_enabled():
             return torch.utils.checkpoint.checkpoint(
-                self._mix, block, context, x, c, options, call.grid, use_reentrant=False
+                self._mix, block, modules, context, x, c, options, call.grid, use_reentrant=False
             )
-        return self._mix(block, context, x, c, options, call.grid)
+        return self._mix(block, modules, context, x, c, options, call.grid)
 
     def _attend(
         self,
@@ -182,8 +234,16 @@ class JointForward:
         return out.reshape(b, n, -1)
 
     def _mix(
-        self, block: nn.Module, context: Tensor, x: Tensor, c: Tensor | None, options: dict, grid: tuple[int, int]
+        self,
+        block: nn.Module,
+        modules: tuple[T5Attention | None, T5Attention | None],
+        context: Tensor,
+        x: Tensor,
+        c: Tensor | None,
+        options: dict,
+        grid: tuple[int, int],
     ) -> tuple[Tensor | None, Tensor]:
+        attn_module, attn2_module = modules
         context_block, x_block = block.context_block, block.x_block
         context_qkv, context_rest = context_block.pre_attention(context, c)
         if x_block.x_block_self_attn:
@@ -194,7 +254,7 @@ class JointForward:
         joint = tuple(torch.cat((text, image), dim=1) for text, image in zip(context_qkv, x_qkv, strict=True))
         heads = x_block.attn.num_heads
         attn = self._attend(
-            self.attn,
+            attn_module,
             joint,
             layer=f"blocks.{self.index}.attn",
             heads=heads,
@@ -207,7 +267,7 @@ class JointForward:
         if x_block.x_block_self_attn:
             heads2 = x_block.attn2.num_heads
             attn2 = self._attend(
-                self.attn2,
+                attn2_module,
                 x_qkv2,
                 layer=f"blocks.{self.index}.attn2",
                 heads=heads2,

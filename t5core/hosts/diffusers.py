@@ -249,7 +249,7 @@ def linearize(
             name: T5Attention.from_config(config, arch.heads, arch.head_dim, layer=name, backend=backend)
             for name in names
         }
-        base, deltas = {}, {}
+        base, deltas, changes = {}, {}, ""
     else:
         prepared = prepare(
             weights,
@@ -262,6 +262,7 @@ def linearize(
         )
         config, modules = prepared.config, prepared.modules
         base, deltas = sd3_to_diffusers(prepared.base, arch), prepared.deltas
+        changes = f"; {prepared.describe()}"
     original = transformer.attn_processors
     originals = _change(transformer, arch, values=base, deltas=deltas)
     hooks = _install(transformer, modules)
@@ -272,6 +273,6 @@ def linearize(
         len(original),
         config.variant,
         names,
-        f", {len(deltas)} deltas added" if deltas else "",
+        changes,
     )
     return T5Handle(transformer, modules, config, arch, original, hooks, originals)

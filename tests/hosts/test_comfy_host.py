@@ -54,14 +54,14 @@ def test_joint_forward_without_t5_reproduces_the_stock_block_bit_for_bit(model):
     """Guards against upstream drift of `_block_mixing`: our orchestration with softmax kept must equal ComfyUI's."""
     import comfy.patcher_extension
 
-    from t5core.hosts.comfy import KEY, CallContext, JointForward
+    from t5core.hosts.comfy import KEY, JointForward, Schedule
 
     inputs = comfy_tiny.inputs()
     reference = comfy_tiny.run(model, inputs)
     patched = model.clone()
     for index in range(len(model.get_model_object("diffusion_model").joint_blocks)):
         patched.add_object_patch(f"diffusion_model.joint_blocks.{index}.forward", JointForward(index))
-    patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, KEY, CallContext.wrapper)
+    patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, KEY, Schedule())
     assert torch.equal(comfy_tiny.run(patched, inputs), reference)
 
 
@@ -186,7 +186,7 @@ def test_any_aspect_ratio_and_text_length_runs(model, weights_all, latent_hw, te
 def test_the_call_context_carries_each_calls_token_grid_and_the_running_blocks(latent_hw, patch, grid):
     from types import SimpleNamespace
 
-    from t5core.hosts.comfy import KEY, CallContext
+    from t5core.hosts.comfy import KEY, CallContext, Schedule
 
     seen = {}
     blocks = torch.nn.ModuleList([torch.nn.Identity()])
@@ -198,7 +198,7 @@ def test_the_call_context_carries_each_calls_token_grid_and_the_running_blocks(l
 
     executor.class_obj = SimpleNamespace(diffusion_model=diffusion)
     options = {"cond_or_uncond": [1, 0]}
-    CallContext.wrapper(executor, torch.zeros(2, 16, *latent_hw), None, None, None, None, options)
+    Schedule()(executor, torch.zeros(2, 16, *latent_hw), torch.ones(2), None, None, None, options)
     assert seen[KEY] == CallContext(grid, blocks) and seen[KEY].blocks is blocks
     assert KEY not in options
 
@@ -340,7 +340,7 @@ def test_a_file_made_for_another_base_warns_once_and_still_adds_its_deltas(
         patched = linearize(model, path)
     (warning,) = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert "0123456789abcdef" in warning and theirs in warning and "adding its 1 deltas anyway" in warning
-    assert "1 deltas added (1 low rank, 0 full), made for another base" in caplog.text
+    assert "1 deltas added (1 low rank, 0 full)" in caplog.text and "base: not the file's base" in caplog.text
     comfy_tiny.run(patched, comfy_tiny.inputs(batch=1))
     live = patched.model.diffusion_model.get_parameter(PROJ).cpu()
     torch.testing.assert_close(live, original[f"diffusion_model.{PROJ}"] + dense[PROJ], rtol=1e-6, atol=1e-6)

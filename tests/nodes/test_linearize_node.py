@@ -52,7 +52,9 @@ def test_the_pack_registers_one_v3_node_with_tooltips(comfy, node):
     assert (schema.node_id, schema.display_name, schema.category) == ("T5Linearize", "T5 Linearize", "T5")
     assert comfy.nodes.NODE_DISPLAY_NAME_MAPPINGS["T5Linearize"] == "T5 Linearize"
     assert "bypass" in schema.description
-    assert [i.id for i in schema.inputs] == ["model", "weights", "layers", "enabled"]
+    assert [i.id for i in schema.inputs] == ["model", "weights", "layers", "enabled", "start_percent", "end_percent"]
+    assert [i.optional for i in schema.inputs[-2:]] == [True, True], "prompts saved before them still validate"
+    assert [o.get_io_type() for o in schema.outputs] == ["MODEL", "STRING"] and schema.outputs[1].id == "status"
     assert all(item.tooltip for item in [*schema.inputs, *schema.outputs])
 
 
@@ -72,7 +74,8 @@ def test_the_models_folder_lists_only_safetensors(comfy, node):
 
 def test_off_returns_the_incoming_model_itself(node):
     sentinel = object()
-    assert node.execute(model=sentinel, weights="any.safetensors", layers="", enabled=False).result == (sentinel,)
+    result = node.execute(model=sentinel, weights="any.safetensors", layers="", enabled=False).result
+    assert result[0] is sentinel and "off" in result[1]
 
 
 @pytest.mark.parametrize(
@@ -91,6 +94,12 @@ def test_off_returns_the_incoming_model_itself(node):
         ),
         pytest.param({"layers": "joint:5-2"}, r"the range 5-2 is empty", id="layer-range-reversed"),
         pytest.param({"weights": "tiny_e2e.safetensors", "layers": " paper "}, None, id="valid"),
+        pytest.param(
+            {"start_percent": 0.6, "end_percent": 0.4},
+            r"start_percent 0\.6 is after end_percent 0\.4.*start_percent <= end_percent",
+            id="schedule-reversed",
+        ),
+        pytest.param({"start_percent": 0.6, "end_percent": 0.4, "enabled": False}, None, id="off-needs-no-schedule"),
     ],
 )
 def test_validate_inputs_names_the_folder(node, assets, inputs, match):
