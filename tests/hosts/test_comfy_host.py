@@ -410,3 +410,37 @@ def test_the_t5_modules_get_a_patcher_of_the_models_kind(model, weights_all, mon
     t5 = linearize(dynamic_model, weights_all).additional_models[KEY][0]
     assert type(t5) is Dynamic
     assert (t5.load_device, t5.offload_device) == (model.load_device, model.offload_device)
+
+
+def test_the_schedule_maps_percents_to_noise_levels_as_comfyuis_controlnet_does(comfy):
+    """With SD3's flow sampling (shift 3) 30% of sampling is sigma 0.875: T5 from there down to 0."""
+    from types import SimpleNamespace
+
+    import comfy.model_sampling
+
+    from t5core.hosts.comfy import Schedule
+
+    class Flow(comfy.model_sampling.ModelSamplingDiscreteFlow, comfy.model_sampling.CONST):
+        pass
+
+    sampling = Flow(SimpleNamespace(sampling_settings={"shift": 3.0, "multiplier": 1.0}))
+    late = Schedule(0.3, 1.0)
+    assert [late.runs_t5(sampling, sigma) for sigma in (1.0, 0.9, 0.876, 0.874, 0.5, 0.0)] == [
+        False,
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
+    middle = Schedule(0.3, 0.6)  # 60% is sigma 3 * 0.4 / (1 + 2 * 0.4) = 0.667
+    assert [middle.runs_t5(sampling, sigma) for sigma in (0.9, 0.8, 0.67, 0.66)] == [False, True, True, False]
+    assert all(Schedule().runs_t5(None, sigma) for sigma in (1.0, 0.0))
+
+
+@pytest.mark.parametrize("percents", [(0.6, 0.4), (-0.1, 1.0), (0.0, 1.5)])
+def test_a_schedule_out_of_order_or_range_is_refused(percents):
+    from t5core.hosts.comfy_runtime import Schedule
+
+    with pytest.raises(ValueError, match=r"must satisfy 0 <= start_percent <= end_percent <= 1"):
+        Schedule(*percents)

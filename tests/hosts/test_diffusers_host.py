@@ -364,6 +364,29 @@ def test_deltas_give_the_outputs_of_the_weights_with_the_deltas_added_and_undo_i
     assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in state.items())
 
 
+def test_a_layer_subset_adds_only_the_deltas_of_the_modules_and_blocks_it_converts(tmp_path, caplog):
+    """The file converts blocks.0.attn2, blocks.1.attn2 and blocks.2.attn; `attn2:0-1` leaves out
+    blocks.2.attn, so block 2's deltas (its qkv and its text adaLN) are not added; those of blocks.1.attn
+    and blocks.0.attn, which the file does not convert, still are."""
+    path, plain, (low_rank, full), _ = write_delta_file(tmp_path)
+    low_rank, full = (
+        {n: d for n, d in deltas.items() if not n.startswith("transformer_blocks.2.")} for deltas in (low_rank, full)
+    )
+    expected_model = add_by_hand(tiny_transformer(), low_rank, full)
+    linearize(expected_model, weights=plain, layers="attn2:0-1")
+
+    model = tiny_transformer()
+    with caplog.at_level(logging.INFO, logger="t5core"):
+        linearize(model, weights=path, layers="attn2:0-1")
+    assert "2 of 3 modules the file converts" in caplog.text
+    assert "3 changes to base weights left out" in caplog.text  # block 2's qkv, adaLN weight and bias
+    params = dict(model.named_parameters())
+    for name, tensor in dict(expected_model.named_parameters()).items():
+        if ".processor." not in name:
+            torch.testing.assert_close(params[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+    torch.testing.assert_close(run(model), run(expected_model), rtol=1e-5, atol=1e-6)
+
+
 def test_on_a_fine_tune_of_the_base_the_deltas_add_to_its_weights_with_one_warning(tmp_path, caplog):
     path, _, (low_rank, full), stamp = write_delta_file(tmp_path)
     generator = torch.Generator().manual_seed(9)

@@ -8,7 +8,7 @@ import torch
 
 from t5core import BaseArch, T5Attention, T5Config
 from t5core import weights as t5w
-from t5core.convert import Prepared, base_sources, base_tensors, check_fingerprint, prepare
+from t5core.convert import Prepared, base_sources, base_tensors, check_fingerprint, left_out_by, prepare
 from t5core.deltas import Delta
 
 ARCH = BaseArch(depth=3, heads=2, head_dim=8, dual_attention_layers=(0, 1))
@@ -115,3 +115,71 @@ def test_a_converted_layer_brings_its_inherited_projections_and_norms():
 def test_a_name_that_is_not_an_inherited_weight_is_refused():
     with pytest.raises(ValueError, match=r"\['transformer_blocks\.0\.attn\.processor\.t5\.w1'\] are not inherited"):
         base_sources(ARCH, params=["transformer_blocks.0.attn.processor.t5.w1"])
+
+
+FILE_LAYERS = ("blocks.0.attn", "blocks.0.attn2", "blocks.1.attn", "blocks.2.attn")
+CHANGED = (
+    "joint_blocks.0.x_block.attn.qkv.weight",
+    "joint_blocks.0.context_block.attn.proj.weight",
+    "joint_blocks.0.x_block.attn2.ln_q.weight",
+    "joint_blocks.0.x_block.mlp.fc1.weight",
+    "joint_blocks.1.context_block.attn.qkv.weight",
+    "joint_blocks.1.x_block.adaLN_modulation.1.weight",
+    "joint_blocks.2.x_block.mlp.fc2.bias",
+    "joint_blocks.3.x_block.attn.qkv.weight",
+    "joint_blocks.3.x_block.mlp.fc1.weight",
+    "final_layer.linear.weight",
+    "x_embedder.proj.weight",
+)
+
+
+@pytest.mark.parametrize(
+    "chosen, left_out",
+    [
+        pytest.param(FILE_LAYERS, set(), id="all-of-the-file"),
+        pytest.param(
+            ("blocks.0.attn2",),
+            {
+                "joint_blocks.0.x_block.attn.qkv.weight",
+                "joint_blocks.0.context_block.attn.proj.weight",
+                "joint_blocks.1.context_block.attn.qkv.weight",
+                "joint_blocks.1.x_block.adaLN_modulation.1.weight",
+                "joint_blocks.2.x_block.mlp.fc2.bias",
+            },
+            id="one-module-keeps-its-blocks-mlp",
+        ),
+        pytest.param(
+            ("blocks.1.attn", "blocks.2.attn"),
+            {
+                "joint_blocks.0.x_block.attn.qkv.weight",
+                "joint_blocks.0.context_block.attn.proj.weight",
+                "joint_blocks.0.x_block.attn2.ln_q.weight",
+                "joint_blocks.0.x_block.mlp.fc1.weight",
+            },
+            id="a-whole-block-left-out",
+        ),
+    ],
+)
+def test_a_subset_leaves_out_the_changes_of_the_modules_and_blocks_it_leaves_out(chosen, left_out):
+    """Block 3's changes (a module the file does not convert, its MLP) and those outside the blocks
+    stay whatever the subset."""
+    assert left_out_by(CHANGED, FILE_LAYERS, chosen) == left_out
+
+
+def test_prepare_applies_only_what_the_subset_keeps_and_says_what_it_left_out(tmp_path):
+    deltas = {
+        "joint_blocks.0.x_block.attn2.proj.weight": Delta(diff=torch.ones(16, 16)),
+        "joint_blocks.2.x_block.attn.proj.weight": Delta(diff=torch.ones(16, 16)),
+        "joint_blocks.2.x_block.mlp.fc1.weight": Delta(diff=torch.ones(64, 16)),
+    }
+    path, _ = write(tmp_path, deltas=deltas)
+    state = {key: torch.empty(delta.shape, device="meta") for key, delta in deltas.items()}
+    prepared = prepare(path, ARCH, model_state=lambda: state, model_fingerprint=no_fingerprint, layers="attn2:0")
+    assert list(prepared.deltas) == ["joint_blocks.0.x_block.attn2.proj.weight"]
+    assert prepared.left_out == ("joint_blocks.2.x_block.attn.proj.weight", "joint_blocks.2.x_block.mlp.fc1.weight")
+    assert prepared.describe() == (
+        "1 of 2 modules the file converts; 1 deltas added (0 low rank, 1 full); "
+        "2 changes to base weights left out with the modules not converted"
+    )
+    whole = prepare(path, ARCH, model_state=lambda: state, model_fingerprint=no_fingerprint)
+    assert list(whole.deltas) == list(deltas) and whole.left_out == ()
