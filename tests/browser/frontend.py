@@ -241,7 +241,7 @@ class Box:
 class LiveNode:
     """A node of the frontend's live graph, after the frontend has configured and sized it."""
 
-    id: int
+    id: int | str  # as the frontend holds it (0.33's gives strings for a workflow's integer ids)
     type: str
     title: str
     registered: bool
@@ -304,11 +304,13 @@ def view(driver: WebDriver) -> View:
     return View(v["scale"], tuple(v["offset"]), Box(*v["canvas"]), v["low_quality"])
 
 
-def covered(driver: WebDriver, screen_boxes: dict[int, Box], *, steps: int = 7) -> dict[int, str]:
-    """Nodes (by id) whose on-screen box is partly under frontend chrome or outside the window, with
-    what covers them; sampled on a `steps` x `steps` grid over each box, its edges included."""
-    found = driver.execute_script(_COVERED_JS, {i: b.as_list() for i, b in screen_boxes.items()}, steps)
-    return {int(i): what for i, what in found.items()}
+def covered(driver: WebDriver, screen_boxes: dict[int | str, Box], *, steps: int = 7) -> dict[int | str, str]:
+    """Nodes whose on-screen box is partly under frontend chrome or outside the window, with what covers
+    them; sampled on a `steps` x `steps` grid over each box, its edges included. Keyed as `screen_boxes`
+    is: the script sees every key as a string, and a caller's int or str id must find its entry."""
+    keys = {str(key): key for key in screen_boxes}
+    found = driver.execute_script(_COVERED_JS, {str(k): b.as_list() for k, b in screen_boxes.items()}, steps)
+    return {keys[i]: what for i, what in found.items()}
 
 
 def combo_options(driver: WebDriver, node_id: int, widget: str) -> list[str] | None:

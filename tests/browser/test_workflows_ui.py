@@ -142,6 +142,25 @@ def test_missing_node_detector_fires(page: WebDriver, tmp_path: Path):
     assert [n.registered for n in nodes] == [False], f"{unknown} counts as registered: {nodes}"
 
 
+def test_covered_node_detector_fires(page: WebDriver, tmp_path: Path):
+    """The check that nodes open clear of the frontend's panels sees a node under the minimap, which
+    sits in the canvas's bottom right corner, with the node's own id as the workflow test looks it up."""
+    path = tmp_path / "node_under_minimap.json"
+    view = frontend.view(page)
+    # At scale 1 and offset 0 a graph point is a canvas point: 60 px in from the bottom right corner.
+    corner = (view.canvas.right - view.canvas.left - 60, view.canvas.bottom - view.canvas.top - 60)
+    node = {"id": 1, "type": "Note", "pos": [corner[0] - 100, corner[1] - 40], "size": [100, 40], "flags": {}}
+    node |= {"order": 0, "mode": 0, "inputs": [], "outputs": [], "properties": {}, "widgets_values": [""]}
+    workflow = {"last_node_id": 1, "last_link_id": 0, "nodes": [node], "links": [], "groups": [], "version": 0.4}
+    path.write_text(json.dumps(workflow | {"extra": {"ds": {"scale": 1.0, "offset": [0, 0]}}}))
+    nodes = _open(page, path)
+    view = frontend.view(page)
+    found = frontend.covered(page, {n.id: view.to_screen(n.box) for n in nodes})
+    assert [n.id for n in nodes if n.id in found] == [nodes[0].id], (
+        f"a node at {view.to_screen(nodes[0].box)} (canvas {view.canvas}) does not count as covered: {found}"
+    )
+
+
 @pytest.mark.parametrize("path", [pytest.param(path, id=path.stem) for path in WORKFLOWS])
 def test_workflow_opens_cleanly(page: WebDriver, schemas: dict, path: Path, tmp_path: Path):
     name = path.name
