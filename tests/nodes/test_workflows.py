@@ -97,14 +97,64 @@ def _check_sockets(node: dict, node_class) -> None:
             assert name in linked, f"node {node['id']} {node['type']}: required input {name!r} is not connected"
 
 
+def _load(path: Path) -> tuple[dict, dict[int, dict], dict[int, list]]:
+    """The workflow, its nodes by id and its links by id."""
+    workflow = json.loads(path.read_text())
+    return workflow, {node["id"]: node for node in workflow["nodes"]}, {link[0]: link for link in workflow["links"]}
+
+
+def _source(nodes: dict[int, dict], links: dict[int, list], node: dict, name: str) -> dict:
+    """The node whose output feeds `node`'s input `name`."""
+    slot = next(slot for slot in node["inputs"] if slot["name"] == name)
+    assert slot.get("link") is not None, f"node {node['id']} {node['type']}.{name} is not connected"
+    return nodes[links[slot["link"]][1]]
+
+
 def test_there_are_workflows_for_each_use():
     names = {path.name for path in WORKFLOWS}
     assert names == {
         "sd3.5_medium_t5_1k.json",
         "sd3.5_medium_t5_2k.json",
+        "sd3.5_medium_t5_2k_two_pass.json",
         "sd3.5_large_t5_1k.json",
         "sd3.5_medium_t5_ab_compare.json",
     }
+
+
+@pytest.mark.parametrize("path", [pytest.param(path, id=path.stem) for path in WORKFLOWS])
+def test_t5_nodes_have_the_nodes_inputs_and_outputs(path: Path):
+    """Without ComfyUI: each T5 Linearize node saves the widgets weights, layers, enabled, start_percent,
+    end_percent (T5 over the whole schedule) and the outputs MODEL and status, as the node declares them."""
+    _, nodes, _ = _load(path)
+    t5_nodes = [node for node in nodes.values() if node["type"] == "T5Linearize"]
+    assert t5_nodes
+    for node in t5_nodes:
+        weights, layers, enabled, start, end = node["widgets_values"]
+        assert isinstance(weights, str) and weights.endswith(".safetensors"), weights
+        assert isinstance(layers, str) and enabled is True
+        assert (start, end) == (0.0, 1.0), f"node {node['id']}: T5 runs from {start} to {end}, not every step"
+        assert [(slot["name"], slot["type"]) for slot in node["outputs"]] == [("MODEL", "MODEL"), ("status", "STRING")]
+
+
+def test_the_two_pass_workflow_refines_its_1k_pass_at_2k_with_t5_in_both():
+    """1024x1024 at full denoise, the latent upscaled x2, then 2048x2048 at partial denoise with fewer
+    steps, both samplers on the one T5 Linearize model."""
+    _, nodes, links = _load(comfy_env.REPO_ROOT / "workflows" / "sd3.5_medium_t5_2k_two_pass.json")
+    save = next(node for node in nodes.values() if node["type"] == "SaveImage")
+    decode = _source(nodes, links, save, "images")
+    refine = _source(nodes, links, decode, "samples")
+    upscale = _source(nodes, links, refine, "latent_image")
+    base = _source(nodes, links, upscale, "samples")
+    empty = _source(nodes, links, base, "latent_image")
+    assert (refine["type"], upscale["type"], base["type"]) == ("KSampler", "LatentUpscaleBy", "KSampler")
+    assert empty["type"] == "EmptySD3LatentImage" and empty["widgets_values"][:2] == [1024, 1024]
+    assert upscale["widgets_values"][1] == 2.0
+    # KSampler widgets: seed, control, steps, cfg, sampler, scheduler, denoise.
+    base_steps, base_denoise = base["widgets_values"][2], base["widgets_values"][6]
+    refine_steps, refine_denoise = refine["widgets_values"][2], refine["widgets_values"][6]
+    assert base_denoise == 1.0 and 0.45 <= refine_denoise <= 0.55 and refine_steps < base_steps
+    models = {_source(nodes, links, sampler, "model")["id"] for sampler in (base, refine)}
+    assert len(models) == 1 and nodes[models.pop()]["type"] == "T5Linearize"
 
 
 @pytest.mark.parametrize("path", [pytest.param(path, id=path.stem) for path in WORKFLOWS])
