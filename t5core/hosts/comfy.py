@@ -33,7 +33,6 @@ live in `t5core.hosts.comfy_runtime`. ComfyUI is imported inside the functions t
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import os
@@ -48,6 +47,7 @@ from t5core.backend import describe_backend
 from t5core.config import BaseArch
 from t5core.convert import Prepared, prepare
 from t5core.deltas import Delta, TensorsOnRead, fingerprint, fingerprint_keys
+from t5core.hosts.comfy_patcher import PerDeviceClone, fresh_copy, t5_modules, t5_patcher
 from t5core.hosts.comfy_runtime import KEY, CallContext, JointForward, Schedule, T5Modules
 from t5core.layers import LayerSpec
 from t5core.weights import T5Weights, T5WeightsError
@@ -114,21 +114,16 @@ def arch_of(model_patcher: Any) -> BaseArch:
     )
 
 
-def _t5_modules(model_patcher: Any) -> T5Modules | None:
-    additional = getattr(model_patcher, "additional_models", {}).get(KEY, [])
-    return additional[0].model if additional else None
-
-
 def converted_layers(model_patcher: Any) -> tuple[str, ...]:
     """The layers a `linearize`d ModelPatcher runs as T5 attention; () for any other model."""
-    modules = _t5_modules(model_patcher)
+    modules = t5_modules(model_patcher)
     return modules.layers() if modules is not None else ()
 
 
 def summary(model_patcher: Any) -> str:
     """What `linearize` did to this ModelPatcher, a fact per line (file, modules, backend, schedule,
     base match, changes to weights); "" for a model it did not convert."""
-    modules = _t5_modules(model_patcher)
+    modules = t5_modules(model_patcher)
     return modules.summary if modules is not None else ""
 
 
@@ -181,15 +176,6 @@ def _stored_tensors(model_patcher: Any) -> dict[str, _Stored]:
     return stored
 
 
-def _fresh_copy(module: nn.Module) -> nn.Module:
-    """A copy of a model module to install in its place. ComfyUI marks the modules whose weights it
-    patched for the clone it loaded (`comfy_patched_weights`) and skips marked modules when it loads the
-    next one; a copy that inherited the mark would never get a LoRA's patch of its weights."""
-    replacement = copy.deepcopy(module)
-    vars(replacement).pop("comfy_patched_weights", None)
-    return replacement
-
-
 def _weight_patches(key: str, delta: Delta) -> dict[_PatchKey, Any]:
     """ComfyUI weight patches that add `delta` to the diffusion model's `key`: a LoRA patch (scale 1)
     on each part's rows of a low-rank delta, else a `("diff", ...)` patch of the full delta."""
@@ -224,7 +210,7 @@ def _plan_weights(prepared: Prepared, stored: Callable[[], Mapping[str, _Stored]
         elif attribute in owner._parameters and not any(True for _ in owner.children()):
             if value is None:
                 value = stored()[key].value() + delta.full()
-            replacement = plan.modules.get(owner_name) or _fresh_copy(owner)
+            replacement = plan.modules.get(owner_name) or fresh_copy(owner)
             dtype = stored()[key].tensor.dtype
             setattr(replacement, attribute, nn.Parameter(value.to(dtype), requires_grad=False))
             plan.modules[owner_name] = replacement
@@ -267,17 +253,6 @@ def _summary(prepared: Prepared, model_patcher: Any, arch: BaseArch, schedule: S
             f"file: {prepared.describe()}",
         )
     )
-
-
-def _t5_patcher(model_patcher: Any, modules: T5Modules) -> Any:
-    """A patcher for the T5 modules of the same kind as the model's: with Dynamic VRAM (ComfyUI 0.33 on
-    NVIDIA) a plain `ModelPatcher` among the models to load makes ComfyUI fall back to estimate-based
-    freeing, which unloads the dynamic diffusion model too."""
-    import comfy.model_patcher
-
-    dynamic = getattr(model_patcher, "is_dynamic", lambda: False)()
-    kind = comfy.model_patcher.ModelPatcherDynamic if dynamic else comfy.model_patcher.ModelPatcher
-    return kind(modules, load_device=model_patcher.load_device, offload_device=model_patcher.offload_device)
 
 
 def linearize(
@@ -350,7 +325,12 @@ def linearize(
             logger.warning("T5 Linearize: replacing another node's patch of %s", name)
         patched.add_object_patch(name, patch)
     patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, KEY, schedule)
-    patched.set_additional_models(KEY, [_t5_patcher(model_patcher, modules)])
+    t5 = t5_patcher(model_patcher, modules, path=prepared.weights.path, backend=backend)
+    patched.set_additional_models(KEY, [t5])
+    per_device = PerDeviceClone(tuple(f"diffusion_model.{name}" for name in plan.modules))
+    for event in ("ON_DEEPCLONE_MULTIGPU", "ON_MATCH_MULTIGPU_CLONES"):  # ComfyUI 0.33's MultiGPU CFG Split
+        if hasattr(comfy.patcher_extension.CallbacksMP, event):
+            patched.add_callback_with_key(getattr(comfy.patcher_extension.CallbacksMP, event), KEY, per_device)
     if plan.weight_patches:
         patched.add_patches(plan.weight_patches, strength_patch=1.0)
     logger.info("%s", modules.summary.replace("\n", "; "))

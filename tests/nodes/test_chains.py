@@ -7,9 +7,10 @@ CFG with texts of two lengths, a non-square batch-2 latent), comparing saved lat
 * EasyCache before or after: ComfyUI's SD3 model never calls EasyCache's hook (a `DIFFUSION_MODEL`
   wrapper, which SD3's MMDiT does not run), so it skips nothing, with T5 or without.
 * MultiGPU CFG Split (ComfyUI 0.33) before or after: with one device, T5 alone bit for bit; with a
-  second device (a fake second CPU, `testing.comfy_chains.second_device`) it fails today, because
-  ComfyUI cannot deep-clone the T5 modules' patcher for the other device (xfail, strict), and so
-  does `ModelPatcher.deepclone_multigpu`, the clone path it takes, on a converted model.
+  second device (a fake second CPU, `testing.comfy_chains.second_device`), T5 alone too: each
+  device's clone rebuilds the T5 modules from the file and its block patches run them
+  (`t5core.hosts.comfy_patcher`); `ModelPatcher.deepclone_multigpu`, the clone path it takes, is
+  checked on a converted model for exactly that.
 * An SD3 ControlNet (ControlNetLoader + Apply ControlNet or the SD3 apply node, with a VAE) beside
   T5 Linearize: it changes the T5 latents, and T5 still runs.
 
@@ -45,14 +46,6 @@ CACHE_CLOSE = 0.25
 # the same math per cond, the second device's conds on a worker thread: measured bit-identical; the
 # bound leaves room for BLAS blocking chosen per thread, far below any lost patch (~1)
 SAME = 1e-6
-MULTIGPU_FAILS = (
-    "ComfyUI cannot deep-clone the T5 modules' patcher for a second device: it has no cached_patcher_init "
-    "factory, so ModelPatcher.deepclone_multigpu raises 'Cannot create multigpu deepclone of T5Modules: the "
-    "loader that produced this model does not support multigpu' (at MultiGPU CFG Split after T5 Linearize, "
-    "at the KSampler before it)"
-)
-
-
 @pytest.fixture(scope="module")
 def assets(comfy):
     """The checkpoint, a T5 file converting every attention module, an SD3 ControlNet and TAESD3."""
@@ -232,7 +225,6 @@ def test_multigpu_cfg_split_across_two_devices_gives_softmax_alone(multigpu, sof
     assert relative_rms(softmax_alone, split) < SAME
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=MULTIGPU_FAILS)
 @pytest.mark.parametrize("order", MULTIGPU_ORDERS)
 def test_multigpu_cfg_split_across_two_devices_gives_t5_alone(multigpu, t5_alone, two_devices, order):
     split = _sample(multigpu, **_chain(comfy_chains.multigpu_node(), order))
@@ -252,7 +244,6 @@ def weights_with_deltas(comfy, checkpoint, arch):
     return comfy_tiny.write_t5_weights(path, arch, arch.attention_modules(), seed=3, deltas=deltas)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=MULTIGPU_FAILS)
 def test_multigpu_deepclone_of_a_converted_model_carries_t5(model, weights_with_deltas):
     """`ModelPatcher.deepclone_multigpu`, which MultiGPU CFG Split calls per extra device (and the
     sampler, for each additional model a clone lacks): a fresh model from the loader's factory with
@@ -260,7 +251,7 @@ def test_multigpu_deepclone_of_a_converted_model_carries_t5(model, weights_with_
     import comfy.model_management
     import comfy.patcher_extension
 
-    from t5core.hosts.comfy import KEY, converted_layers, linearize
+    from t5core.hosts.comfy import KEY, JointForward, converted_layers, linearize
 
     if not hasattr(model, "deepclone_multigpu"):
         pytest.skip("ModelPatcher.deepclone_multigpu is new in ComfyUI 0.33")
@@ -273,6 +264,13 @@ def test_multigpu_deepclone_of_a_converted_model_carries_t5(model, weights_with_
     apply_model = comfy.patcher_extension.WrappersMP.APPLY_MODEL
     assert clone.wrappers[apply_model][KEY] == converted.wrappers[apply_model][KEY]
     assert converted_layers(clone) == converted_layers(converted)
+    (mine,), (theirs,) = clone.additional_models[KEY], converted.additional_models[KEY]
+    assert mine.model is not theirs.model, "the clone's T5 modules are its own, built again from the file"
+    for name, patch in clone.object_patches.items():
+        original = converted.object_patches[name]
+        assert patch is not original, f"{name}: the clone's patch must be its own, not the first device's"
+        if isinstance(patch, JointForward):
+            assert patch.attn is mine.model.get(patch.index, "attn") and patch.attn is not None
     inputs = comfy_tiny.inputs(batch=1)
     assert torch.equal(comfy_tiny.run(clone, inputs), comfy_tiny.run(converted, inputs))
 
