@@ -46,6 +46,8 @@ CACHE_CLOSE = 0.25
 # the same math per cond, the second device's conds on a worker thread: measured bit-identical; the
 # bound leaves room for BLAS blocking chosen per thread, far below any lost patch (~1)
 SAME = 1e-6
+
+
 @pytest.fixture(scope="module")
 def assets(comfy):
     """The checkpoint, a T5 file converting every attention module, an SD3 ControlNet and TAESD3."""
