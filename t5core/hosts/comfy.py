@@ -22,7 +22,12 @@
   reach under Dynamic VRAM or a partial load, get a replaced module instead, holding the fine-tuned
   value (the stored one plus the delta); in a full load ComfyUI patches the replaced module, so a
   LoRA on such a scale adds on top of it there too.
-* a file that records its base's fingerprint is compared with the model's (`t5core.convert.check_fingerprint`).
+* a file that records its base's fingerprint is compared with the model's (`t5core.convert.check_fingerprint`);
+* a `layers` subset applies only the file's changes that go with the modules it converts
+  (`t5core.convert.left_out_by`);
+* MultiGPU CFG Split's per-device clones get T5 modules and patches of their own
+  (`t5core.hosts.comfy_patcher`);
+* `summary` of the clone says what was done (the node's status output).
 
 Dropping the clone (or bypassing the node) gives the original model back exactly.
 
