@@ -363,8 +363,9 @@ def _memory_check(result: Result) -> list[str]:
 
 
 def _stored_table(result: Result) -> list[str]:
-    # `benchmarks/ablations.py`, `benchmarks/artifact_probe.py`, `benchmarks/key_bias.py` and `benchmarks/reuse.py`
-    # store their printed table with the rows: a header line, a description line, a blank line, then the table.
+    # `benchmarks/ablations.py`, `benchmarks/artifact_probe.py`, `benchmarks/key_bias.py`, `benchmarks/reuse.py`
+    # and `benchmarks/schedule.py` store their printed table with the rows: a header line, a description
+    # line, a blank line, then the table.
     lines = result["meta"]["table"].splitlines()
     return [lines[1] + ".", "", *lines[3:]]
 
@@ -484,6 +485,12 @@ SECTIONS: tuple[tuple[str, str, str, Renderer], ...] = (
     ("artifact_probe*.json", "Artifact probe of a T5 toy file", "python -m benchmarks.artifact_probe", _stored_table),
     ("key_bias.json", "Key bias of the toy teacher", "python -m benchmarks.key_bias", _stored_table),
     ("reuse*.json", "A toy T5 delta file on a fine-tune of its base", "python -m benchmarks.reuse", _stored_table),
+    (
+        "schedule*.json",
+        "Softmax before start_percent, then T5, on the toy",
+        "python -m benchmarks.schedule",
+        _stored_table,
+    ),
 )
 
 INTRO = f"""# Benchmarks

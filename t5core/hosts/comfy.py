@@ -240,6 +240,19 @@ _BASE_MATCH = {
 }
 
 
+def _chain_notes(model_patcher: Any) -> list[str]:
+    """Warnings about nodes placed before this one that cannot work on an SD3 model."""
+    import comfy.patcher_extension
+
+    wrappers = model_patcher.wrappers.get(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, {})
+    if "easycache" in wrappers:
+        return [
+            "note: EasyCache skips no step on SD3 (ComfyUI's SD3 model never calls its hook), with T5 or "
+            "without; use LazyCache"
+        ]
+    return []
+
+
 def _summary(prepared: Prepared, model_patcher: Any, arch: BaseArch, schedule: Schedule, backend: str) -> str:
     """What the conversion did, one fact per line: the file, modules, backend, schedule, base match and
     changes to the model's weights (the node's status output and, joined, its log line)."""
@@ -256,6 +269,7 @@ def _summary(prepared: Prepared, model_patcher: Any, arch: BaseArch, schedule: S
             f"schedule: T5 {schedule.describe()}",
             f"base: {_BASE_MATCH[prepared.fingerprint_matches]}",
             f"file: {prepared.describe()}",
+            *_chain_notes(model_patcher),
         )
     )
 

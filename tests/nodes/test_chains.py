@@ -180,6 +180,9 @@ def test_easycache_skips_nothing_on_sd3_with_or_without_t5(assets, t5_alone, sof
     assert comfy_chains.skipped_steps(messages, "EasyCache") == [(0, STEPS), (0, STEPS)]
     assert torch.equal(cached, t5_alone)
     assert torch.equal(softmax_cached, softmax_alone)
+    # placed before, the node sees it and says so in its status and log line
+    noted = any("note: EasyCache skips no step on SD3" in message for message in messages)
+    assert noted == (order == "before")
 
 
 @pytest.fixture
