@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from pathlib import Path
 from testing.comfy_env import REPO_ROOT
 
 PACK_NAME = "comfyui-t5-linearize"
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+_TAG = re.compile(r"^\[(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\] ")
 
 
 class ServerError(RuntimeError):
@@ -115,6 +118,11 @@ class ComfyServer:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def messages(self) -> list[str]:
+        """The log's lines as logged: without the terminal colour codes and the `[INFO]` level tag
+        ComfyUI puts in front."""
+        return [_TAG.sub("", _COLOUR.sub("", line)) for line in self.log().splitlines()]
 
     def log_tail(self, lines: int = 40) -> str:
         tail = "\n".join(self.log().splitlines()[-lines:])

@@ -1,6 +1,8 @@
-"""T5 Linearize in the chains users build, each a whole prompt through ComfyUI's executor on the tiny
-SD3.5-Medium-like checkpoint (CheckpointLoaderSimple -> ModelSamplingSD3 -> ... -> KSampler, 6 steps,
-CFG with texts of two lengths, a non-square batch-2 latent), comparing saved latents:
+"""T5 Linearize in the chains users build, each a whole prompt on the tiny SD3.5-Medium-like checkpoint
+(CheckpointLoaderSimple -> ModelSamplingSD3 -> ... -> KSampler, 6 steps, CFG with texts of two lengths,
+a non-square batch-2 latent), comparing saved latents. The prompts run in a real ComfyUI server
+(`testing.comfy_server`, every node run each time), but for MultiGPU CFG Split's, which run through
+ComfyUI's executor in the test process, the only place a second device can be faked:
 
 * LazyCache before or after T5 Linearize: the same latents in either order; never skipping, T5
   alone bit for bit; skipping steps, close to T5 alone and far from softmax with the same cache.
@@ -20,9 +22,9 @@ tree (0.3.64) has all but MultiGPU CFG Split.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ import torch
 from t5core.config import BaseArch
 from testing import comfy_chains, comfy_env, comfy_tiny
 from testing.comfy_prompts import ModelNode, sampling_prompt, saved_latents
+from testing.comfy_server import ComfyServer
 from testing.models import tiny_transformer
 from testing.tolerances import relative_rms
 
@@ -48,27 +51,22 @@ CACHE_CLOSE = 0.25
 SAME = 1e-6
 
 
-@pytest.fixture(scope="module")
-def assets(comfy):
+def _write_assets(models: Path) -> None:
     """The checkpoint, a T5 file converting every attention module, an SD3 ControlNet and TAESD3."""
-    comfy_tiny.write_checkpoint(
-        comfy.models_dir / "checkpoints" / CHECKPOINT, tiny_transformer(comfy_tiny.PRESET, seed=7)
-    )
-    comfy_tiny.write_t5_weights(comfy.models_dir / "t5_linearize" / WEIGHTS, ARCH, ARCH.attention_modules(), seed=3)
-    comfy_chains.write_sd3_controlnet(comfy.models_dir / "controlnet" / CONTROLNET, preset=comfy_tiny.PRESET, seed=11)
-    comfy_chains.write_taesd3(comfy.models_dir / "vae_approx", seed=6)
-    return comfy
+    comfy_tiny.write_checkpoint(models / "checkpoints" / CHECKPOINT, tiny_transformer(comfy_tiny.PRESET, seed=7))
+    comfy_tiny.write_t5_weights(models / "t5_linearize" / WEIGHTS, ARCH, ARCH.attention_modules(), seed=3)
+    comfy_chains.write_sd3_controlnet(models / "controlnet" / CONTROLNET, preset=comfy_tiny.PRESET, seed=11)
+    comfy_chains.write_taesd3(models / "vae_approx", seed=6)
 
 
-def _sample(
-    comfy,
+def _prompt(
     *,
     enabled: bool = True,
     before: Sequence[ModelNode] = (),
     after: Sequence[ModelNode] = (),
     controlnet: dict | None = None,
-) -> torch.Tensor:
-    """The latents of one prompt; `controlnet` holds `comfy_chains.with_controlnet`'s options."""
+) -> dict:
+    """One prompt; `controlnet` holds `comfy_chains.with_controlnet`'s options."""
     prompt = sampling_prompt(
         checkpoint=CHECKPOINT,
         weights=WEIGHTS,
@@ -80,41 +78,46 @@ def _sample(
     )
     if controlnet is not None:
         prompt = comfy_chains.with_controlnet(prompt, controlnet=CONTROLNET, **controlnet)
-    result = comfy_env.run_prompt(prompt)
-    assert result.success, result.errors
-    latents = saved_latents(comfy.output_dir, result.outputs)
+    return prompt
+
+
+@dataclass(frozen=True)
+class Run:
+    """A prompt's saved latents and the lines the server logged while it ran."""
+
+    latents: torch.Tensor
+    log: list[str]
+
+
+@pytest.fixture(scope="module")
+def server(comfy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
+    """A real ComfyUI server with the assets (written with this process's ComfyUI, `comfy`), running
+    every node of every prompt (`--cache-none`), so each prompt logs its own cache summary."""
+    tree = comfy_env.require_tree()
+    base_dir = tmp_path_factory.mktemp("comfy_chains_server")
+    _write_assets(base_dir / "models")
+    nodes = (comfy_env.TESTING_NODES,)
+    with ComfyServer.start(tree, base_dir, custom_nodes=nodes, args=("--cache-none",)) as running:
+        yield running
+
+
+def _serve(server: ComfyServer, **options) -> Run:
+    """Queue `_prompt(**options)` on the server and wait for it."""
+    logged = len(server.messages())
+    entry = server.wait(server.queue(_prompt(**options)))
+    latents = saved_latents(server.base_dir / "output", entry["outputs"])
     assert torch.isfinite(latents).all()
-    return latents
-
-
-@contextlib.contextmanager
-def _logged() -> Iterator[list[str]]:
-    """The messages logged at INFO and above while inside (ComfyUI logs through the root logger)."""
-    messages: list[str] = []
-
-    class _Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            messages.append(record.getMessage())
-
-    root, handler = logging.getLogger(), _Collect(logging.INFO)
-    level = root.level
-    root.setLevel(logging.INFO)
-    root.addHandler(handler)
-    try:
-        yield messages
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(level)
+    return Run(latents, server.messages()[logged:])
 
 
 @pytest.fixture(scope="module")
-def t5_alone(assets) -> torch.Tensor:
-    return _sample(assets)
+def t5_alone(server) -> torch.Tensor:
+    return _serve(server).latents
 
 
 @pytest.fixture(scope="module")
-def softmax_alone(assets) -> torch.Tensor:
-    return _sample(assets, enabled=False)
+def softmax_alone(server) -> torch.Tensor:
+    return _serve(server, enabled=False).latents
 
 
 def _chain(node: ModelNode, order: str) -> dict:
@@ -132,25 +135,27 @@ ORDERS = [pytest.param("before", id="cache-before-t5"), pytest.param("after", id
         pytest.param(dict(reuse_threshold=3.0, start_percent=1.0), id="starts-at-the-end"),
     ],
 )
-def test_lazycache_that_never_skips_gives_t5_alone(assets, t5_alone, order, settings):
-    with _logged() as messages:
-        cached = _sample(assets, **_chain(comfy_chains.cache_node("LazyCache", **settings), order))
-    assert comfy_chains.skipped_steps(messages, "LazyCache") == [(0, STEPS)]
-    assert torch.equal(cached, t5_alone)
+def test_lazycache_that_never_skips_gives_t5_alone(server, t5_alone, order, settings):
+    cached = _serve(server, **_chain(comfy_chains.cache_node("LazyCache", **settings), order))
+    assert comfy_chains.skipped_steps(cached.log, "LazyCache") == [(0, STEPS)]
+    assert torch.equal(cached.latents, t5_alone)
 
 
 @pytest.fixture(scope="module")
-def lazy(assets) -> dict:
+def lazy(server) -> dict:
     """LazyCache skipping steps: after and before T5 Linearize, and on the softmax model; and the
     (skipped, total) steps each run logged, in that order."""
     node = comfy_chains.cache_node("LazyCache", reuse_threshold=LAZY_THRESHOLD)
-    with _logged() as messages:
-        out = {
-            "after": _sample(assets, after=[node]),
-            "before": _sample(assets, before=[node]),
-            "softmax": _sample(assets, enabled=False, after=[node]),
-        }
-    return {**out, "skipped": comfy_chains.skipped_steps(messages, "LazyCache")}
+    runs = {
+        "after": _serve(server, after=[node]),
+        "before": _serve(server, before=[node]),
+        "softmax": _serve(server, enabled=False, after=[node]),
+    }
+    log = [line for run in runs.values() for line in run.log]
+    return {
+        **{name: run.latents for name, run in runs.items()},
+        "skipped": comfy_chains.skipped_steps(log, "LazyCache"),
+    }
 
 
 def test_lazycache_skipping_steps_stays_close_to_t5_and_far_from_softmax(lazy, t5_alone):
@@ -168,21 +173,34 @@ def test_lazycache_before_or_after_t5_gives_the_same_latents(lazy):
 
 
 @pytest.mark.parametrize("order", ORDERS)
-def test_easycache_skips_nothing_on_sd3_with_or_without_t5(assets, t5_alone, softmax_alone, order):
+def test_easycache_skips_nothing_on_sd3_with_or_without_t5(server, t5_alone, softmax_alone, order):
     """EasyCache at its most eager (threshold 3, from the first step) skips no step of SD3 and gives
     T5 alone bit for bit. Its hook is a `DIFFUSION_MODEL` wrapper, which ComfyUI's SD3 MMDiT never
     calls (Flux, Wan and others do); the softmax model shows it is not T5's doing. A ComfyUI whose
     MMDiT runs those wrappers fails this test: then test EasyCache like LazyCache."""
     node = comfy_chains.cache_node("EasyCache", reuse_threshold=3.0)
-    with _logged() as messages:
-        cached = _sample(assets, **_chain(node, order))
-        softmax_cached = _sample(assets, enabled=False, after=[node])
-    assert comfy_chains.skipped_steps(messages, "EasyCache") == [(0, STEPS), (0, STEPS)]
-    assert torch.equal(cached, t5_alone)
-    assert torch.equal(softmax_cached, softmax_alone)
+    cached, softmax_cached = _serve(server, **_chain(node, order)), _serve(server, enabled=False, after=[node])
+    assert comfy_chains.skipped_steps([*cached.log, *softmax_cached.log], "EasyCache") == [(0, STEPS), (0, STEPS)]
+    assert torch.equal(cached.latents, t5_alone)
+    assert torch.equal(softmax_cached.latents, softmax_alone)
     # placed before, the node sees it and says so in its status and log line
-    noted = any("note: EasyCache skips no step on SD3" in message for message in messages)
+    noted = any("note: EasyCache skips no step on SD3" in line for line in cached.log)
     assert noted == (order == "before")
+
+
+@pytest.fixture(scope="module")
+def assets(comfy):
+    """The assets in the test process's ComfyUI, for the MultiGPU tests: a second device can only be
+    faked inside the process that samples (`comfy_chains.second_device`)."""
+    _write_assets(comfy.models_dir)
+    return comfy
+
+
+def _sample(comfy, **options) -> torch.Tensor:
+    """The latents of `_prompt(**options)` through ComfyUI's executor in this process."""
+    result = comfy_env.run_prompt(_prompt(**options))
+    assert result.success, result.errors
+    return saved_latents(comfy.output_dir, result.outputs)
 
 
 @pytest.fixture
@@ -193,13 +211,18 @@ def multigpu(assets):
     return assets
 
 
+@pytest.fixture(scope="module")
+def t5_here(assets) -> torch.Tensor:
+    return _sample(assets)
+
+
 MULTIGPU_ORDERS = [pytest.param("before", id="multigpu-before-t5"), pytest.param("after", id="multigpu-after-t5")]
 
 
 @pytest.mark.parametrize("order", MULTIGPU_ORDERS)
-def test_multigpu_cfg_split_with_one_device_gives_t5_alone(multigpu, t5_alone, order):
+def test_multigpu_cfg_split_with_one_device_gives_t5_alone(multigpu, t5_here, order):
     """With no second device the node only clones the model."""
-    assert torch.equal(_sample(multigpu, **_chain(comfy_chains.multigpu_node(), order)), t5_alone)
+    assert torch.equal(_sample(multigpu, **_chain(comfy_chains.multigpu_node(), order)), t5_here)
 
 
 @pytest.fixture
@@ -223,18 +246,19 @@ def two_devices(multigpu, monkeypatch) -> Iterator[dict]:
         yield {"device": extra, "used": used}
 
 
-def test_multigpu_cfg_split_across_two_devices_gives_softmax_alone(multigpu, softmax_alone, two_devices):
+def test_multigpu_cfg_split_across_two_devices_gives_softmax_alone(multigpu, two_devices):
     """The fake second device works: each step's conds go to both devices, same latents."""
+    softmax_here = _sample(multigpu, enabled=False)
     split = _sample(multigpu, enabled=False, after=[comfy_chains.multigpu_node()])
     assert len(two_devices["used"]) == STEPS and all(two_devices["device"] in used for used in two_devices["used"])
-    assert relative_rms(softmax_alone, split) < SAME
+    assert relative_rms(softmax_here, split) < SAME
 
 
 @pytest.mark.parametrize("order", MULTIGPU_ORDERS)
-def test_multigpu_cfg_split_across_two_devices_gives_t5_alone(multigpu, t5_alone, two_devices, order):
+def test_multigpu_cfg_split_across_two_devices_gives_t5_alone(multigpu, t5_here, two_devices, order):
     split = _sample(multigpu, **_chain(comfy_chains.multigpu_node(), order))
     assert len(two_devices["used"]) == STEPS and all(two_devices["device"] in used for used in two_devices["used"])
-    assert relative_rms(t5_alone, split) < SAME
+    assert relative_rms(t5_here, split) < SAME
 
 
 @pytest.fixture(scope="module")
@@ -281,12 +305,12 @@ def test_multigpu_deepclone_of_a_converted_model_carries_t5(model, weights_with_
 
 
 @pytest.fixture(scope="module")
-def controlled(assets) -> dict[str, torch.Tensor]:
+def controlled(server) -> dict[str, torch.Tensor]:
     """Apply ControlNet on T5 and on softmax, and the SD3 apply node on T5."""
     return {
-        "t5": _sample(assets, controlnet={}),
-        "softmax": _sample(assets, enabled=False, controlnet={}),
-        "t5_sd3_node": _sample(assets, controlnet={"apply_node": "ControlNetApplySD3"}),
+        "t5": _serve(server, controlnet={}).latents,
+        "softmax": _serve(server, enabled=False, controlnet={}).latents,
+        "t5_sd3_node": _serve(server, controlnet={"apply_node": "ControlNetApplySD3"}).latents,
     }
 
 
@@ -304,5 +328,5 @@ def test_the_sd3_controlnet_apply_node_gives_the_same_latents(controlled):
     assert torch.equal(controlled["t5_sd3_node"], controlled["t5"])
 
 
-def test_a_controlnet_at_strength_zero_gives_t5_alone(assets, t5_alone):
-    assert torch.equal(_sample(assets, controlnet={"strength": 0.0}), t5_alone)
+def test_a_controlnet_at_strength_zero_gives_t5_alone(server, t5_alone):
+    assert torch.equal(_serve(server, controlnet={"strength": 0.0}).latents, t5_alone)
