@@ -80,6 +80,13 @@ def _single_file_layout(path: Path) -> tuple[int, bool, bool]:
             keys = [key.removeprefix(_SINGLE_FILE_PREFIX) for key in handle.keys()]
     except (SafetensorError, OSError) as error:
         raise ValueError(f"{path} is not a readable safetensors file ({error}).") from error
+    if "scaled_fp8" in keys or any(key.endswith(".scale_weight") for key in keys):
+        raise ValueError(
+            f"{path.name} is a scaled-fp8 checkpoint: its fp8 weights need per-tensor scales that the diffusers "
+            "loader does not apply, so training would start from wrong weights. Give the fp16 / bf16 checkpoint "
+            "of the same model (sd3.5_large.safetensors, sd3.5_medium.safetensors) or its diffusers folder as "
+            "--model.base."
+        )
     blocks = {int(key.split(".")[1]) for key in keys if key.startswith("joint_blocks.")}
     if not blocks or "x_embedder.proj.weight" not in keys:
         raise ValueError(
@@ -139,6 +146,12 @@ def load_base(config: ModelConfig) -> nn.Module:
             subfolder=subfolder,
             local_files_only=True,
             torch_dtype=torch.float32,
+        )
+    elif path.suffix == ".gguf":
+        raise ValueError(
+            f"{path}: a GGUF checkpoint is quantized for inference, and training cannot start from its weights. "
+            "Give the fp16 / bf16 .safetensors checkpoint of the same model, or its diffusers folder, as "
+            "--model.base."
         )
     else:
         raise ValueError(

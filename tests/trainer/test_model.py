@@ -36,6 +36,20 @@ def test_single_file_loads_bit_exact_with_a_local_config(single_file):
         assert torch.equal(value, expected[key]), key
 
 
+def test_a_plain_fp8_single_file_loads_its_values_upcast(single_file, tmp_path):
+    """fp8 weights without scales are the values they hold: the model gets them in fp32 exactly."""
+    model = single_file["model"]
+    state = diffusers_to_sd3(model.state_dict(), arch_of(model))
+    fp8 = {PREFIX + key: value.to(torch.float8_e4m3fn).contiguous() for key, value in state.items()}
+    path = tmp_path / "tiny_sd35_fp8.safetensors"
+    save_file(fp8, str(path))
+    loaded = load_base(ModelConfig(base=str(path), config=str(single_file["config"])))
+    assert base_checkpoint_dtype(ModelConfig(base=str(path))) == torch.bfloat16
+    expected = {key: value.to(torch.float8_e4m3fn).float() for key, value in model.state_dict().items()}
+    for key, value in loaded.state_dict().items():
+        assert value.dtype == torch.float32 and torch.equal(value, expected[key]), key
+
+
 def test_diffusers_folder_loads(single_file):
     loaded = load_base(ModelConfig(base=str(single_file["config"])))
     assert torch.equal(loaded.proj_out.weight, single_file["model"].proj_out.weight)
