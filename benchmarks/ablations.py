@@ -119,6 +119,11 @@ FRONTIER_ROWS: tuple[Row, ...] = (
         trainer_flags=(*_ALL_HYBRID, "--transfer.steps", "120", "--training.steps", "0"),
     ),
     Row(
+        "run-all-hybrid-transfer40-full",
+        "trainer: `all` hybrid, a short transfer (40 steps), then 120 full fine-tune steps",
+        trainer_flags=(*_ALL_HYBRID, "--transfer.steps", "40"),
+    ),
+    Row(
         "run-all-hybrid-transfer-r16-0.5x",
         "trainer: `all` hybrid, transfer (120 steps), then a rank-16 fine-tune of 60 steps",
         trainer_flags=(*_ALL_HYBRID, "--transfer.steps", "120", "--model.rank", "16", "--training.steps", "60"),

@@ -34,9 +34,10 @@ RECIPE_LINES: dict[str, tuple[str, ...]] = {
         "run-all-hybrid-transfer",
         "run-all-hybrid-transfer-r16-1x-lr10",
     ),
+    "all hybrid, transfer 40 then full fine-tune": ("run-all-hybrid-transfer40-full",),
 }
 """The recipes drawn, each a line through its rows (`benchmarks.ablations.FRONTIER_ROWS`)."""
-COLOURS = ((90, 90, 90), (31, 119, 180), (214, 39, 40), (44, 160, 44))
+COLOURS = ((90, 90, 90), (31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189))
 
 
 @dataclass(frozen=True, slots=True)

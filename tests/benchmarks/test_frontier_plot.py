@@ -21,6 +21,7 @@ RESULTS = [
     _row("run-all-hybrid-transfer", 0, 50, 0.30, 0.08),
     _row("run-all-hybrid-transfer-r16-1x", 0, 200, 0.62, 0.035),
     _row("run-all-hybrid-transfer-r16-1x-lr10", 0, 200, 0.64, 0.032),
+    _row("run-all-hybrid-transfer40-full", 0, 120, 0.62, 0.03),
 ]
 
 
