@@ -6,7 +6,6 @@ files are named by.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from t5core.atomic import write_atomic
+from t5core.file_stamp import sha256_file
 from t5core.hosts.diffusers import linearize
 from trainer.toy.eval import eval_set, generate
 from trainer.toy.model import load_toy_base
@@ -28,7 +28,7 @@ CACHE = ".cache"
 
 def file_digest(path: Path) -> str:
     """The first 16 hex digits of the file's sha256."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    return sha256_file(path)[:16]
 
 
 def toy_model(path: Path, *, t5_file: Path | None = None) -> nn.Module:

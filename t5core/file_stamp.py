@@ -1,6 +1,7 @@
-"""A cheap identity of a file on disk, to tell when a file under the same name was replaced.
+"""Identities of files on disk: the sha256 of the whole file, and a cheap stamp to tell when a file
+under the same name was replaced.
 
-Size and modification time catch a normal rewrite; a hash of the first and last MiB catches a copy
+For the stamp, size and modification time catch a normal rewrite; a hash of the first and last MiB catches a copy
 that keeps the time (`cp -p`, a synced folder) when the header (a safetensors file's names, shapes and
 metadata) or the tail changed. Reading at most 2 MiB keeps it cheap on multi-GB files.
 """
@@ -10,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import os
 
-__all__ = ["file_identity"]
+__all__ = ["file_identity", "sha256_file"]
 
 _CHUNK = 1 << 20
+_HASH_CHUNK = 1 << 24
 
 
 def file_identity(path: str | os.PathLike[str]) -> tuple[int, int, str]:
@@ -28,3 +30,12 @@ def file_identity(path: str | os.PathLike[str]) -> tuple[int, int, str]:
             handle.seek(-_CHUNK, os.SEEK_END)
         digest.update(handle.read(_CHUNK))
     return stat.st_size, stat.st_mtime_ns, digest.hexdigest()
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Hex sha256 of a file, read in 16 MiB chunks (what `sha256sum` prints)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -30,6 +30,7 @@ from t5core.atomic import write_atomic, write_bytes_atomic, write_text_atomic
 from t5core.attention import T5Attention, file_name
 from t5core.config import BaseArch
 from t5core.deltas import Delta, sd3_deltas
+from t5core.file_stamp import sha256_file
 from t5core.hosts.diffusers import T5Handle
 from t5core.sd3_keys import key_rules
 from t5core.weights import save
@@ -38,7 +39,7 @@ from trainer.distributed import World
 from trainer.hub import HubTarget, push_to_hub
 from trainer.low_rank import factor_names
 from trainer.model import ParamSplit, base_checkpoint_dtype
-from trainer.model_card import RUN_CARD, base_digests, card_name, model_card, sha256_file
+from trainer.model_card import RUN_CARD, base_digests, card_name, model_card
 
 if TYPE_CHECKING:
     from trainer.loop import LoopResult

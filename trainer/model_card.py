@@ -9,22 +9,21 @@ several weights files share one folder and the node lists only `.safetensors` fi
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from t5core.file_stamp import sha256_file
 from trainer.cli import config_to_toml
 from trainer.config import ModelConfig, TrainConfig
 from trainer.model import base_weight_files
 from trainer.presets import ModelPreset, get_preset
 
-__all__ = ["RUN_CARD", "base_digests", "card_name", "check_run_card", "model_card", "sha256_file"]
+__all__ = ["RUN_CARD", "base_digests", "card_name", "check_run_card", "model_card"]
 
 RUN_CARD = "README.md"
 """The card's name in `<output.dir>`."""
 _TITLE = "# T5 attention weights: "
-_CHUNK = 1 << 24
 _STOPS = {"steps": "`--training.steps` reached", "time": "`--training.max_minutes` spent"}
 
 
@@ -46,15 +45,6 @@ def check_run_card(folder: Path) -> None:
             f"{card} exists and is not a model card of an earlier run; the run writes its model card there, so "
             "nothing was trained. Give the run a folder of its own with --output.dir, or move that file away."
         )
-
-
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file, read in 16 MiB chunks (what `sha256sum` prints)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def base_digests(config: ModelConfig) -> dict[str, str]:

@@ -10,7 +10,6 @@ samples of a larger set are exactly the set of size k, `trainer.toy.eval.eval_se
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from t5core.atomic import write_atomic
+from t5core.file_stamp import sha256_file
 from trainer.toy.data import IMAGE_SIZE
 from trainer.toy.model import WEIGHTS_FILE
 
@@ -51,15 +51,11 @@ def samples_file(teacher: Path) -> Path:
     return teacher.with_name(f"{teacher.stem}_eval.safetensors")
 
 
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def save_teacher_samples(raw: Tensor, settings: EvalSettings, *, teacher: Path) -> Path:
     """Write `raw`, the teacher file's ToyEval samples `(count, 3, S, S)` before the clamp, made with
     `settings`, to `samples_file(teacher)`, atomically."""
     path = samples_file(teacher)
-    metadata = {"teacher.sha256": _digest(teacher), **settings.as_metadata()}
+    metadata = {"teacher.sha256": sha256_file(teacher), **settings.as_metadata()}
     write_atomic(path, lambda temp: save_file({"images": raw.float().contiguous()}, str(temp), metadata=metadata))
     return path
 
@@ -72,7 +68,7 @@ def teacher_samples(count: int, settings: EvalSettings = TOY_EVAL, *, teacher: P
         return None
     with safe_open(str(path), framework="pt") as stored:
         metadata = stored.metadata() or {}
-        expected = {"teacher.sha256": _digest(teacher), **settings.as_metadata()}
+        expected = {"teacher.sha256": sha256_file(teacher), **settings.as_metadata()}
         stale = sorted(key for key, value in expected.items() if metadata.get(key) != value)
         available = stored.get_slice("images").get_shape()[0]
         if stale or available < count:
