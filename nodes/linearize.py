@@ -43,6 +43,11 @@ def register_folder() -> None:
 register_folder()
 
 
+def _percent_input(name: str, default: float, tooltip: str) -> io.Float.Input:
+    """A schedule input: a fraction of sampling in [0, 1], optional so that prompts saved without it run."""
+    return io.Float.Input(name, default=default, min=0.0, max=1.0, step=0.001, optional=True, tooltip=tooltip)
+
+
 class T5Linearize(io.ComfyNode):
     """Swap SD3 / SD3.5 softmax attention for T5 (linear-time test-time-training) attention."""
 
@@ -91,27 +96,15 @@ class T5Linearize(io.ComfyNode):
                     label_off="off (original model)",
                     tooltip="Off passes the model through unchanged, exactly like bypassing the node.",
                 ),
-                io.Float.Input(
+                _percent_input(
                     "start_percent",
-                    default=0.0,
-                    min=0.0,
-                    max=1.0,
-                    step=0.001,
-                    optional=True,
-                    tooltip=(
-                        "Where in sampling T5 attention starts (0 = the first step). Before it the converted "
-                        "modules run the original softmax attention, e.g. 0.2 lets the layout form with softmax. "
-                        "The file's changes to the model's weights apply on every step."
-                    ),
+                    0.0,
+                    "Where in sampling T5 attention starts (0 = the first step). Before it the converted modules "
+                    "run the original softmax attention, e.g. 0.2 lets the layout form with softmax. The file's "
+                    "changes to the model's weights apply on every step.",
                 ),
-                io.Float.Input(
-                    "end_percent",
-                    default=1.0,
-                    min=0.0,
-                    max=1.0,
-                    step=0.001,
-                    optional=True,
-                    tooltip="Where in sampling T5 attention ends (1 = the last step); softmax after it.",
+                _percent_input(
+                    "end_percent", 1.0, "Where in sampling T5 attention ends (1 = the last step); softmax after it."
                 ),
             ],
             outputs=[
@@ -138,11 +131,11 @@ class T5Linearize(io.ComfyNode):
     ) -> bool | str:
         if enabled is False:
             return True
-        if start_percent is not None and end_percent is not None and start_percent > end_percent:
-            return (
-                f"T5 Linearize: start_percent {start_percent} is after end_percent {end_percent}; T5 runs between "
-                "them. Set start_percent <= end_percent."
-            )
+        if start_percent is not None and end_percent is not None:
+            try:
+                comfy_host.Schedule(start_percent, end_percent)
+            except ValueError as error:
+                return f"T5 Linearize: {error}"
         if layers and layers.strip():
             try:
                 resolve_layers(layers.strip(), _ANY_MODEL)

@@ -106,8 +106,8 @@ class Prepared:
         return self.config.layers
 
     def describe(self) -> str:
-        """One line on what the file converts and changes here: "6 of 6 modules the file converts; 40
-        deltas added (40 low rank, 0 full); 75 left out with the modules the subset leaves out"."""
+        """One line on what the file converts and changes here: "1 of 6 modules the file converts; 8 deltas
+        added (8 low rank, 0 full); 75 changes to base weights left out with the modules not converted"."""
         parts = [f"{len(self.layers)} of {len(self.weights.config.layers)} modules the file converts"]
         if self.base:
             parts.append(f"{len(self.base)} base weights applied")

@@ -1,9 +1,9 @@
 """Identities of files on disk: the sha256 of the whole file, and a cheap stamp to tell when a file
 under the same name was replaced.
 
-For the stamp, size and modification time catch a normal rewrite; a hash of the first and last MiB catches a copy
-that keeps the time (`cp -p`, a synced folder) when the header (a safetensors file's names, shapes and
-metadata) or the tail changed. Reading at most 2 MiB keeps it cheap on multi-GB files.
+For the stamp, size and modification time catch a normal rewrite; a hash of the first and last MiB
+catches a copy that keeps the time (`cp -p`, a synced folder) when the header (a safetensors file's
+names, shapes and metadata) or the tail changed. Reading at most 2 MiB keeps it cheap on multi-GB files.
 """
 
 from __future__ import annotations

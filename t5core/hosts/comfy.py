@@ -336,9 +336,8 @@ def linearize(
     patched = model_patcher.clone()
     object_patches = {f"diffusion_model.{path}": module for path, module in plan.modules.items()}
     for index in range(len(diffusion.joint_blocks)):
-        attn, attn2 = modules.get(index, "attn"), modules.get(index, "attn2")
-        if attn is not None or attn2 is not None:
-            object_patches[f"diffusion_model.joint_blocks.{index}.forward"] = JointForward(index, attn, attn2)
+        if (patch := JointForward.of(modules, index)) is not None:
+            object_patches[f"diffusion_model.joint_blocks.{index}.forward"] = patch
     for name, patch in object_patches.items():
         if name in patched.object_patches:
             logger.warning("T5 Linearize: replacing another node's patch of %s", name)

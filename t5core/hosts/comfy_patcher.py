@@ -97,7 +97,6 @@ class PerDeviceClone:
             )
         for name, patch in list(clone.object_patches.items()):
             if isinstance(patch, JointForward):
-                attn, attn2 = modules.get(patch.index, "attn"), modules.get(patch.index, "attn2")
-                clone.object_patches[name] = JointForward(patch.index, attn, attn2)
+                clone.object_patches[name] = JointForward.of(modules, patch.index)
             elif name in self.replaced:
                 clone.object_patches[name] = fresh_copy(patch)

@@ -129,8 +129,9 @@ class Schedule:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.start_percent <= self.end_percent <= 1.0:
+            order = "is after" if self.start_percent > self.end_percent else "and"
             raise ValueError(
-                f"start_percent {self.start_percent} and end_percent {self.end_percent} must satisfy "
+                f"start_percent {self.start_percent} {order} end_percent {self.end_percent}: they must satisfy "
                 "0 <= start_percent <= end_percent <= 1 (T5 runs between them, softmax outside)."
             )
 
@@ -159,7 +160,7 @@ class Schedule:
         diffusion = model.diffusion_model
         patch_h, patch_w = diffusion.x_embedder.patch_size
         height, width = x.shape[-2:]
-        t5 = self.whole or self.runs_t5(model.model_sampling, float(t.reshape(-1)[0]))
+        t5 = self.runs_t5(model.model_sampling, float(t.reshape(-1)[0]))
         context = CallContext((math.ceil(height / patch_h), math.ceil(width / patch_w)), diffusion.joint_blocks, t5)
         options = {**transformer_options, KEY: context}
         return executor(x, t, c_concat, c_crossattn, control, options, **kwargs)
@@ -186,6 +187,12 @@ class JointForward:
 
         self.index, self.attn, self.attn2 = index, attn, attn2
         self._mmdit = mmdit
+
+    @classmethod
+    def of(cls, modules: T5Modules, index: int) -> JointForward | None:
+        """The patch of block `index` running its modules in `modules`; None for a block without one."""
+        attn, attn2 = modules.get(index, "attn"), modules.get(index, "attn2")
+        return cls(index, attn, attn2) if attn is not None or attn2 is not None else None
 
     def __call__(
         self,

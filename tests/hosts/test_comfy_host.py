@@ -196,7 +196,7 @@ def test_the_call_context_carries_each_calls_token_grid_and_the_running_blocks(l
         seen.update(transformer_options)
         return x
 
-    executor.class_obj = SimpleNamespace(diffusion_model=diffusion)
+    executor.class_obj = SimpleNamespace(diffusion_model=diffusion, model_sampling=None)
     options = {"cond_or_uncond": [1, 0]}
     Schedule()(executor, torch.zeros(2, 16, *latent_hw), torch.ones(2), None, None, None, options)
     assert seen[KEY] == CallContext(grid, blocks) and seen[KEY].blocks is blocks
