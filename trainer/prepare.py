@@ -3,10 +3,13 @@
 `prepare_data` encodes `--data.source images`, a folder of images with `.txt` captions, through the
 base pipeline's own VAE and text encoders, or has the frozen softmax model generate the latents of
 each prompt of `--data.source prompts` (a prompts file or the shipped default set; no images needed).
-Both run one driver and differ only in how they list their inputs and encode a shard (`_Inputs`):
+Both run one driver and differ only in how they list their inputs and write their shards (`_Inputs`):
 sort the inputs into aspect-ratio buckets (`trainer.data.bucket_sizes`), cut each bucket into shards
 of `--data.shard_size`, and have rank r encode shards r, r + N, ...; rank 0 shows a progress bar with
-an ETA. A shard already on disk is kept, so an interrupted preparation resumes where it stopped;
+an ETA. Each phase holds only what it needs on the device: images use the text encoders and the VAE
+(in micro-batches of `vae_batch` images, sized by the run's memory plan); prompts are first embedded by
+the text encoders, which then leave, and a frozen copy of the transformer in the pipeline's dtype
+generates (the base the run trains stays on the host, in fp32, untouched). A shard already on disk is kept, so an interrupted preparation resumes where it stopped;
 `plan.json` records what the shards hold, and a cache folder planned for other inputs or settings is
 refused rather than mixed. Unreadable images and missing captions are skipped and counted, never a
 crash mid-run; an empty input is an error. The cache's files and format are `trainer.cache`'s.
@@ -14,18 +17,21 @@ crash mid-run; an empty input is an error. The cache's files and format are `tra
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from t5core.atomic import write_atomic
 from trainer.cache import MANIFEST, check_finished, check_plan, finish_cache, shard_name, write_shard
 from trainer.config import DataConfig
 from trainer.data import Batch, bucket_sizes, nearest_bucket
@@ -51,6 +57,10 @@ class _Item:
     size: tuple[int, int]
 
 
+_Pending = tuple[int, tuple[int, int], list[_Item]]
+"""A shard this rank still has to write: `(index, bucket size, items)`."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Inputs:
     """What one kind of input brings to the preparation driver.
@@ -58,12 +68,13 @@ class _Inputs:
     Attributes:
         kind: `images` or `prompts` (the manifest's kind, the progress bar's unit).
         items: the bucket sizes -> the inputs sorted into them, and those skipped (`{key: why}`).
-        encode: `(pipeline, shard, size)` -> the shard's samples, and its inputs that failed (`{key: why}`).
+        write: `(pipe, pending, cache_dir, uncond, bar)` -> writes every pending shard and advances the progress
+            bar; `pipe` holds the text encoders and the VAE on the device, `uncond` the empty caption's features.
     """
 
     kind: str
     items: Callable[[list[tuple[int, int]]], tuple[list[_Item], dict[str, str]]]
-    encode: Callable[[Any, list[_Item], tuple[int, int]], tuple[Batch, dict[str, str]]]
+    write: Callable[[Any, list[_Pending], Path, Batch, tqdm], None]
 
 
 def _pipeline_dtype(world: World) -> torch.dtype:
@@ -72,8 +83,9 @@ def _pipeline_dtype(world: World) -> torch.dtype:
 
 
 def _load_pipeline(files: Path | PipelineFiles, transformer: nn.Module, world: World):
-    """The SD3 pipeline around our transformer: a diffusers folder (components it leaves out stay None) or
-    the parts of a single-file checkpoint."""
+    """The SD3 pipeline for encoding: its text encoders and VAE on the device in the pipeline's dtype, and the
+    base `transformer` left on the host, where only its config is read (generation brings its own copy): a
+    diffusers folder (components it leaves out stay None) or the parts of a single-file checkpoint."""
     from diffusers import StableDiffusion3Pipeline
 
     from trainer.single_file import load_single_file_pipeline
@@ -81,27 +93,55 @@ def _load_pipeline(files: Path | PipelineFiles, transformer: nn.Module, world: W
     files = files if isinstance(files, PipelineFiles) else PipelineFiles(folder=files)
     dtype = _pipeline_dtype(world)
     if files.folder is None:
-        pipe = load_single_file_pipeline(files, transformer, dtype=dtype)
+        pipe = load_single_file_pipeline(files, None, dtype=dtype)
     else:
         index = json.loads((files.folder / "model_index.json").read_text(encoding="utf-8"))
         absent = {name: None for name, value in index.items() if isinstance(value, list) and value[0] is None}
         pipe = StableDiffusion3Pipeline.from_pretrained(
-            str(files.folder), transformer=transformer, local_files_only=True, dtype=dtype, **absent
+            str(files.folder), local_files_only=True, dtype=dtype, **{**absent, "transformer": None}
         )
     pipe.set_progress_bar_config(disable=True)
-    return pipe.to(world.device)
+    pipe.to(world.device)
+    pipe.transformer = transformer
+    return pipe
 
 
-def _encode_text(pipe, captions: list[str], data: DataConfig, *, guidance: bool = False) -> tuple[Tensor, ...]:
-    """`(context, negative context, pooled, negative pooled)` of `captions`; the negatives (the empty
-    caption's) are None without `guidance`."""
-    return pipe.encode_prompt(
+def frozen_copy(model: nn.Module, *, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A copy of a diffusers model for inference: built empty, then given each tensor cast to `dtype` on
+    `device` one at a time, so neither a second full-precision copy nor autocast's cached casts exist.
+    `model` stays where and as it is."""
+    with torch.device("meta"):
+        copy = type(model).from_config(model.config)
+    sources = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, target in [*copy.named_parameters(), *copy.named_buffers()]:
+        owner_name, _, leaf = name.rpartition(".")
+        owner = copy.get_submodule(owner_name)
+        value = sources[name].detach().to(device, dtype if target.is_floating_point() else None)
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        else:
+            owner._buffers[leaf] = value
+    return copy.eval()
+
+
+def release_device_memory(world: World) -> None:
+    """Return what freed modules held on the GPU to the driver (a no-op on CPU)."""
+    gc.collect()
+    if world.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _encode_text(pipe, captions: list[str], data: DataConfig) -> tuple[Tensor, Tensor]:
+    """`(context, pooled)` of `captions`, computed on the text encoders' device."""
+    context, _, pooled, _ = pipe.encode_prompt(
         prompt=captions,
         prompt_2=None,
         prompt_3=None,
-        do_classifier_free_guidance=guidance,
+        device=pipe.text_encoder.device,
+        do_classifier_free_guidance=False,
         max_sequence_length=data.max_sequence_length,
     )
+    return context, pooled
 
 
 def _on_cpu(latents: Tensor, context: Tensor, pooled: Tensor) -> Batch:
@@ -143,28 +183,33 @@ def _plan(items: list[_Item], data: DataConfig) -> dict[str, object]:
     return {**_settings(data), "items": len(items), "sha256": hashlib.sha256(listing.encode()).hexdigest()}
 
 
-def _pending(
-    cache_dir: Path, shards: list[tuple[tuple[int, int], list[_Item]]], world: World, *, unit: str, progress: bool
-) -> Iterator[tuple[int, tuple[int, int], list[_Item]]]:
-    """This rank's shards not yet on disk, as `(index, size, items)`, behind a rank-0 progress bar with an ETA."""
-    mine = [
-        (index, size, shard) for index, (size, shard) in enumerate(shards) if index % world.world_size == world.rank
+def _pending(cache_dir: Path, shards: list[tuple[tuple[int, int], list[_Item]]], world: World) -> list[_Pending]:
+    """This rank's shards (rank r writes shards r, r + N, ...) not yet on disk."""
+    return [
+        (index, size, shard)
+        for index, (size, shard) in enumerate(shards)
+        if index % world.world_size == world.rank and not (cache_dir / shard_name(index)).is_file()
     ]
-    total = sum(len(shard) for *_, shard in mine)
-    done = sum(len(shard) for index, _, shard in mine if (cache_dir / shard_name(index)).is_file())
+
+
+def _progress(
+    shards: list[tuple[tuple[int, int], list[_Item]]], pending: list[_Pending], world: World, *, unit: str, shown: bool
+) -> tqdm:
+    """Rank 0's progress bar over this rank's inputs, with an ETA; it starts at those already cached."""
+    total = sum(len(shard) for index, (_, shard) in enumerate(shards) if index % world.world_size == world.rank)
+    done = total - sum(len(shard) for *_, shard in pending)
     if done and world.is_main:
         logger.info("Data: resuming; %d of this rank's %d %s are cached", done, total, unit)
-    shown = progress and world.is_main
-    with tqdm(total=total, initial=done, unit=unit[:-1], desc="Data", disable=not shown, dynamic_ncols=True) as bar:
-        for index, size, shard in mine:
-            if not (cache_dir / shard_name(index)).is_file():
-                yield index, size, shard
-                bar.update(len(shard))
+    return tqdm(total=total, initial=done, unit=unit[:-1], desc="Data", disable=not shown, dynamic_ncols=True)
 
 
-def _finish(
-    cache_dir: Path, pipe, data: DataConfig, world: World, *, kind: str, planned: int, skipped: dict[str, str]
-) -> None:
+def _uncond(pipe, data: DataConfig) -> Batch:
+    """The empty caption's features: the cache's unconditional input and the generation's negative."""
+    context, pooled = _encode_text(pipe, [""], data)
+    return _on_cpu(torch.zeros(1, 1), context, pooled)
+
+
+def _finish(cache_dir: Path, uncond: Batch, world: World, *, kind: str, planned: int, skipped: dict[str, str]) -> None:
     """After every rank wrote its shards: rank 0 closes the cache (`trainer.cache.finish_cache`; collective).
 
     Raises:
@@ -173,8 +218,6 @@ def _finish(
     world.barrier()
     kept, shown = 0, ""
     if world.is_main:
-        context, _, pooled, _ = _encode_text(pipe, [""], data)
-        uncond = _on_cpu(torch.zeros(1, 1), context, pooled)
         kept, shards, all_skipped = finish_cache(cache_dir, kind=kind, uncond=uncond, skipped=skipped)
         shown = "; ".join(f"{key}: {why}" for key, why in list(all_skipped.items())[:_SHOWN_SKIPS])
         if kept:
@@ -250,9 +293,10 @@ def _scan_images(folder: Path, files: list[Path], sizes: list[tuple[int, int]]) 
 
 
 def _encode_images(
-    pipe, folder: Path, shard: list[_Item], size: tuple[int, int], *, data: DataConfig, world: World
+    pipe, folder: Path, shard: list[_Item], size: tuple[int, int], *, data: DataConfig, world: World, vae_batch: int
 ) -> tuple[Batch, dict[str, str]]:
-    """VAE latents and text conditioning of a shard of images; an image unreadable now is left out."""
+    """VAE latents (`vae_batch` images per VAE call, 0 = the whole shard) and text conditioning of a shard of
+    images; an image unreadable now is left out."""
     vae = pipe.vae
     shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
     pixels, captions, failed = [], [], {}
@@ -267,20 +311,24 @@ def _encode_images(
     )
     context = pooled = torch.zeros(0)
     if pixels:
-        encoded = vae.encode(torch.stack(pixels).to(world.device, vae.dtype)).latent_dist.mean
+        chunks = torch.stack(pixels).split(vae_batch or len(pixels))
+        encoded = torch.cat([vae.encode(chunk.to(world.device, vae.dtype)).latent_dist.mean for chunk in chunks])
         latents = (encoded - shift) * scale
-        context, _, pooled, _ = _encode_text(pipe, captions, data)
+        context, pooled = _encode_text(pipe, captions, data)
     return _on_cpu(latents, context, pooled), failed
 
 
-def _image_inputs(data: DataConfig, world: World) -> _Inputs:
+def _image_inputs(data: DataConfig, world: World, vae_batch: int) -> _Inputs:
     folder = Path(data.path)
     files = _list_images(folder)
-    return _Inputs(
-        kind="images",
-        items=lambda sizes: _scan_images(folder, files, sizes),
-        encode=lambda pipe, shard, size: _encode_images(pipe, folder, shard, size, data=data, world=world),
-    )
+
+    def write(pipe, pending: list[_Pending], cache_dir: Path, uncond: Batch, bar: tqdm) -> None:
+        for index, size, shard in pending:
+            batch, failed = _encode_images(pipe, folder, shard, size, data=data, world=world, vae_batch=vae_batch)
+            write_shard(cache_dir, index, batch, pixel_wh=size, skipped=failed)
+            bar.update(len(shard))
+
+    return _Inputs(kind="images", items=lambda sizes: _scan_images(folder, files, sizes), write=write)
 
 
 def _read_prompts(path: Path) -> list[str]:
@@ -293,44 +341,80 @@ def _read_prompts(path: Path) -> list[str]:
     return prompts
 
 
+_ENCODING_PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")
+"""The pipeline's modules that leave the device before prompt generation."""
+EMBEDDINGS_DIR = "prompt-embeddings"
+"""Under a prompts cache being made: each pending shard's prompt features, written by the text phase and
+removed once the generation phase has written the shard."""
+
+
+def _embed_prompts(pipe, pending: list[_Pending], cache_dir: Path, data: DataConfig) -> None:
+    """The text phase: each pending shard's prompt features, written under `EMBEDDINGS_DIR` so the encoders can
+    leave the device before the transformer comes (a file already there is kept)."""
+    folder = cache_dir / EMBEDDINGS_DIR
+    folder.mkdir(exist_ok=True)
+    for index, _, shard in pending:
+        if not (folder / shard_name(index)).is_file():
+            context, pooled = _encode_text(pipe, [item.caption for item in shard], data)
+            features = {"context": context.contiguous(), "pooled": pooled.contiguous()}
+            write_atomic(folder / shard_name(index), lambda temp, features=features: save_file(features, temp))
+
+
 def _generate(
-    pipe, shard: list[_Item], size: tuple[int, int], *, data: DataConfig, world: World
-) -> tuple[Batch, dict[str, str]]:
-    """Latents the softmax model generates for a shard of prompts, each from noise seeded by its index."""
-    embeds = _encode_text(pipe, [item.caption for item in shard], data, guidance=data.guidance_scale > 1)
-    generators = [torch.Generator(world.device).manual_seed(derived_seed(0, "prompt", item.key)) for item in shard]
-    # The transformer is the fp32 base the run trains; autocast runs it in the bf16 pipeline's dtype.
-    dtype = _pipeline_dtype(world)
-    with torch.autocast(world.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        latents = pipe(
-            prompt_embeds=embeds[0],
-            negative_prompt_embeds=embeds[1],
-            pooled_prompt_embeds=embeds[2],
-            negative_pooled_prompt_embeds=embeds[3],
-            width=size[0],
-            height=size[1],
-            num_inference_steps=data.generate_steps,
-            guidance_scale=data.guidance_scale,
-            generator=generators,
-            output_type="latent",
-        ).images
+    pipe, index: int, shard: list[_Item], size: tuple[int, int], *, uncond: Batch, cache_dir: Path, data: DataConfig
+) -> Batch:
+    """Latents the frozen softmax model generates for a shard of prompts from the text phase's features (the
+    empty caption's `uncond` as the negative), each from noise seeded by its index."""
+    device, dtype = pipe.transformer.device, pipe.transformer.dtype
+    features = load_file(str(cache_dir / EMBEDDINGS_DIR / shard_name(index)), device=str(device))
+    context, pooled = features["context"].to(dtype), features["pooled"].to(dtype)
+    guidance = data.guidance_scale > 1
+    negative = [
+        part.to(device, dtype).expand_as(like) for part, like in ((uncond.context, context), (uncond.pooled, pooled))
+    ]
+    generators = [torch.Generator(device).manual_seed(derived_seed(0, "prompt", item.key)) for item in shard]
+    latents = pipe(
+        prompt_embeds=context,
+        negative_prompt_embeds=negative[0] if guidance else None,
+        pooled_prompt_embeds=pooled,
+        negative_pooled_prompt_embeds=negative[1] if guidance else None,
+        width=size[0],
+        height=size[1],
+        num_inference_steps=data.generate_steps,
+        guidance_scale=data.guidance_scale,
+        generator=generators,
+        output_type="latent",
+    ).images
     logger.debug("Data: generated %d prompts at %dx%d", len(shard), *size)
-    return _on_cpu(latents, embeds[0], embeds[2]), {}
+    return _on_cpu(latents, context, pooled)
 
 
-def _prompt_inputs(data: DataConfig, world: World) -> _Inputs:
+def _prompt_inputs(data: DataConfig, world: World, transformer: nn.Module) -> _Inputs:
     """Prompt i goes to bucket i mod (number of buckets) and starts from noise seeded by its index, so
-    the cache does not depend on the world size or on interruptions."""
+    the cache does not depend on the world size or on interruptions. Two phases: the text encoders embed
+    every pending prompt, leave the device, and then a frozen copy of the transformer in the pipeline's
+    dtype generates."""
     prompts = _read_prompts(Path(data.path)) if data.path else default_prompts()
     prompts = prompts[: data.prompt_limit or None]
+
+    def write(pipe, pending: list[_Pending], cache_dir: Path, uncond: Batch, bar: tqdm) -> None:
+        _embed_prompts(pipe, pending, cache_dir, data)
+        for name in _ENCODING_PARTS:
+            setattr(pipe, name, None)
+        release_device_memory(world)
+        pipe.transformer = frozen_copy(transformer, device=world.device, dtype=_pipeline_dtype(world))
+        for index, size, shard in pending:
+            batch = _generate(pipe, index, shard, size, uncond=uncond, cache_dir=cache_dir, data=data)
+            write_shard(cache_dir, index, batch, pixel_wh=size, skipped={})
+            (cache_dir / EMBEDDINGS_DIR / shard_name(index)).unlink()
+            bar.update(len(shard))
+        pipe.transformer = None
+
     return _Inputs(
         kind="prompts",
         items=lambda sizes: ([_Item(str(i), prompt, sizes[i % len(sizes)]) for i, prompt in enumerate(prompts)], {}),
-        encode=lambda pipe, shard, size: _generate(pipe, shard, size, data=data, world=world),
+        write=write,
     )
-
-
-_INPUTS = {"images": _image_inputs, "prompts": _prompt_inputs}
 
 
 @torch.no_grad()
@@ -342,6 +426,7 @@ def prepare_data(
     transformer: nn.Module,
     world: World,
     progress: bool = True,
+    vae_batch: int = 0,
 ) -> Path:
     """Encode `--data.source images` or `prompts` into a cache at `cache_dir` (collective); a finished
     cache there made with the same settings is used as it is.
@@ -353,8 +438,10 @@ def prepare_data(
     Args:
         data (`DataConfig`): the data section; `resolution` 0 means `DEFAULT_RESOLUTION`.
         pipeline (`Path` or `PipelineFiles`): what encodes the data (`trainer.sources.find_text_parts`).
-        transformer (`nn.Module`): the base transformer the pipeline runs (`prompts` samples with it).
+        transformer (`nn.Module`): the base transformer: its patch size sets the bucket sizes, and `prompts`
+            samples with a frozen copy of it in the pipeline's dtype (the base itself stays on the host).
         progress (`bool`): show rank 0's progress bar. Default: `True`.
+        vae_batch (`int`): images per VAE call (the memory plan sizes it); 0 = a whole shard at once.
 
     Returns:
         `cache_dir`.
@@ -367,16 +454,24 @@ def prepare_data(
         check_finished(cache_dir, _settings(data))
         logger.info("Data: using the finished cache %s", cache_dir)
         return cache_dir
-    inputs = _INPUTS[data.source](data, world)
+    if data.source == "images":
+        inputs = _image_inputs(data, world, vae_batch)
+    else:
+        inputs = _prompt_inputs(data, world, transformer)
     pipe = _load_pipeline(pipeline, transformer, world)
-    multiple = pipe.vae_scale_factor * pipe.transformer.config.patch_size
+    multiple = pipe.vae_scale_factor * transformer.config.patch_size
     sizes = bucket_sizes(data.buckets, data.resolution or DEFAULT_RESOLUTION, multiple)
     items, skipped = inputs.items(sizes)
     cache_dir.mkdir(parents=True, exist_ok=True)
     check_plan(cache_dir, _plan(items, data), world)
     shards = _shards(items, data.shard_size)
-    for index, size, shard in _pending(cache_dir, shards, world, unit=inputs.kind, progress=progress):
-        batch, failed = inputs.encode(pipe, shard, size)
-        write_shard(cache_dir, index, batch, pixel_wh=size, skipped=failed)
-    _finish(cache_dir, pipe, data, world, kind=inputs.kind, planned=len(items) + len(skipped), skipped=skipped)
+    pending = _pending(cache_dir, shards, world)
+    uncond = _uncond(pipe, data)
+    with _progress(shards, pending, world, unit=inputs.kind, shown=progress and world.is_main) as bar:
+        inputs.write(pipe, pending, cache_dir, uncond, bar)
+    del pipe
+    release_device_memory(world)
+    _finish(cache_dir, uncond, world, kind=inputs.kind, planned=len(items) + len(skipped), skipped=skipped)
+    if world.is_main and (cache_dir / EMBEDDINGS_DIR).is_dir():
+        (cache_dir / EMBEDDINGS_DIR).rmdir()
     return cache_dir

@@ -2,54 +2,26 @@
 bundled in it or in their own files, built with diffusers and transformers classes from local configs.
 
 Text encoder files use transformers' key names (`text_model.*`, `encoder.*`, `shared.weight`); bundled
-ones carry the `text_encoders.<name>.transformer.` prefix. fp8 files (`t5xxl_fp8_e4m3fn`) are upcast.
+ones carry the `text_encoders.<name>.transformer.` prefix. fp8 files (`t5xxl_fp8_e4m3fn`) are upcast, scaled-fp8
+ones (`t5xxl_fp8_e4m3fn_scaled`, or bundled in `sd3.5_large_fp8_scaled`) dequantized with their scales.
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from trainer.config import TEXT_ENCODERS
+from trainer.fp8 import read_weights
 from trainer.sources import PipelineFiles, bundled_prefix
 
 __all__ = ["load_single_file_pipeline", "load_text_encoder"]
 
-logger = logging.getLogger(__name__)
-
 _SUBFOLDERS = {"clip_l": "text_encoder", "clip_g": "text_encoder_2", "t5xxl": "text_encoder_3"}
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Buffers and extras some exporters save that the transformers models do not hold as weights.
 _IGNORED = ("text_model.embeddings.position_ids", "logit_scale")
-
-
-def _read_encoder(path: Path, role: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The encoder's tensors with transformers' key names, in `dtype` (fp8 upcast).
-
-    Raises:
-        ValueError: a scaled-fp8 file (its weights need per-tensor scales we do not apply).
-    """
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as handle:
-        keys = list(handle.keys())
-        prefix = bundled_prefix(role) if any(k.startswith(bundled_prefix(role)) for k in keys) else ""
-        if not prefix and ("scaled_fp8" in keys or any(k.endswith(".scale_weight") for k in keys)):
-            raise ValueError(
-                f"{path.name} is a scaled-fp8 {role} file, which needs ComfyUI's own scaling. Use the fp16 file "
-                "(t5xxl_fp16.safetensors) or the plain fp8 one (t5xxl_fp8_e4m3fn.safetensors)."
-            )
-        state = {
-            key.removeprefix(prefix): handle.get_tensor(key)
-            for key in keys
-            if key.startswith(prefix) and key.removeprefix(prefix) not in _IGNORED
-        }
-    if any(tensor.dtype in _FP8 for tensor in state.values()):
-        logger.info("Model: %s holds fp8 %s weights; upcasting them to %s", path.name, role, dtype)
-    return {key: tensor.to(dtype) for key, tensor in state.items()}
 
 
 def load_text_encoder(path: Path, role: str, *, configs: Path, dtype: torch.dtype) -> nn.Module:
@@ -72,12 +44,13 @@ def load_text_encoder(path: Path, role: str, *, configs: Path, dtype: torch.dtyp
         `CLIPTextModelWithProjection` or `T5EncoderModel`, in eval mode.
 
     Raises:
-        ValueError: the file lacks weights the model needs (names a few), or is scaled fp8.
+        ValueError: the file lacks weights the model needs (names a few), or is scaled fp8 with an fp8 weight
+            that lacks its scale.
     """
     from transformers import AutoConfig, CLIPTextModelWithProjection, T5EncoderModel
 
     config = AutoConfig.from_pretrained(configs / _SUBFOLDERS[role], local_files_only=True)
-    state = _read_encoder(path, role, dtype)
+    state = read_weights(path, dtype, prefix=bundled_prefix(role), ignore=_IGNORED, what=role)
     if role == "clip_l":
         state["text_projection.weight"] = torch.eye(config.projection_dim, config.hidden_size, dtype=dtype)
     cls = T5EncoderModel if role == "t5xxl" else CLIPTextModelWithProjection
@@ -104,14 +77,14 @@ def _tokenizers(files: PipelineFiles):
     )
 
 
-def load_single_file_pipeline(files: PipelineFiles, transformer: nn.Module, *, dtype: torch.dtype):
+def load_single_file_pipeline(files: PipelineFiles, transformer: nn.Module | None, *, dtype: torch.dtype):
     """A `StableDiffusion3Pipeline` around `transformer` from a single-file checkpoint and its text encoders.
 
     Args:
         files (`PipelineFiles`):
             The checkpoint (its VAE under `first_stage_model.*`), text encoder files, configs and tokenizers.
-        transformer (`nn.Module`):
-            The SD3 transformer, already loaded.
+        transformer (`nn.Module`, *optional*):
+            The SD3 transformer, already loaded; None for a pipeline that only encodes.
         dtype (`torch.dtype`):
             Dtype of the VAE and the text encoders.
 

@@ -136,3 +136,32 @@ def test_run_trains_on_an_image_folder(pipeline, image_folder, tmp_path):
     result = run(config)
     assert result.step == 1 and result.weights.is_file()
     assert (tmp_path / "run" / "data-cache" / "manifest.json").is_file()
+
+
+def test_images_never_run_or_move_the_transformer_and_vae_micro_batches_match(
+    pipeline, image_folder, tmp_path, world, monkeypatch
+):
+    """An image source encodes with the VAE and the text encoders alone; VAE micro-batches give the latents of
+    whole-shard calls (each image is encoded on its own either way)."""
+    from diffusers import AutoencoderKL
+
+    calls = []
+    encode = AutoencoderKL.encode
+    monkeypatch.setattr(AutoencoderKL, "encode", lambda self, x, **kw: calls.append(len(x)) or encode(self, x, **kw))
+    base = trainer_transformer()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the transformer ran during image preparation")
+
+    base.forward = refuse
+    kwargs = dict(pipeline=pipeline, transformer=base, world=world, progress=False)
+    data = data_config(path=str(image_folder), shard_size=4)
+    whole = CacheSource(prepare_data(data, tmp_path / "whole", **kwargs))
+    assert max(calls) > 1
+    calls.clear()
+    single = CacheSource(prepare_data(data, tmp_path / "single", vae_batch=1, **kwargs))
+    assert set(calls) == {1}
+    assert {p.device.type for p in base.parameters()} == {"cpu"}
+    assert single.buckets() == whole.buckets()
+    for indices in whole.buckets().values():
+        torch.testing.assert_close(single.load(indices).latents, whole.load(indices).latents, rtol=1e-5, atol=1e-5)
