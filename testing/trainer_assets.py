@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -276,6 +277,35 @@ def write_comfyui(
     checkpoint.parent.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(checkpoint))
     return dict(comfyui=comfyui, checkpoint=checkpoint, reference=reference, configs=configs)
+
+
+def scaled_fp8(state: Mapping[str, torch.Tensor], *, prefix: str = "") -> dict[str, torch.Tensor]:
+    """`state` as ComfyUI's scaled-fp8 files store it: each matrix `.weight` in float8_e4m3fn over its
+    per-tensor float32 scale (`.scale_weight` = amax / 448), beside an activation scale that loading must
+    ignore (`.scale_input`, 0.5), and the `<prefix>scaled_fp8` marker; the other tensors unchanged."""
+    out = {prefix + "scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
+    for key, tensor in state.items():
+        if key.endswith(".weight") and tensor.dim() == 2:
+            layer = key.removesuffix(".weight")
+            scale = tensor.abs().max().float() / torch.finfo(torch.float8_e4m3fn).max
+            out[key] = (tensor / scale).to(torch.float8_e4m3fn)
+            out[layer + ".scale_weight"] = scale
+            out[layer + ".scale_input"] = torch.tensor(0.5)
+        else:
+            out[key] = tensor
+    return out
+
+
+def dequantized_fp8(scaled: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The float32 weights a `scaled_fp8` state stands for: `weight.float() * scale_weight`, other tensors
+    upcast; no scales, no marker."""
+    out = {}
+    for key, tensor in scaled.items():
+        if key.endswith(("scaled_fp8", ".scale_weight", ".scale_input")):
+            continue
+        scale = scaled.get(key.removesuffix(".weight") + ".scale_weight")
+        out[key] = tensor.float() * scale if key.endswith(".weight") and scale is not None else tensor.float()
+    return out
 
 
 def write_images(folder: Path, sizes: list[tuple[int, int]], *, seed: int = 0) -> list[Path]:

@@ -1,7 +1,8 @@
 """The model step of the recipe: load the softmax base, keep a frozen teacher, convert, choose what trains.
 
 Base models load from local files: a diffusers folder (pipeline or transformer), a single-file SD3 /
-SD3.5 checkpoint with a local config (the three shipped in `trainer/configs` or `--model.config`), the
+SD3.5 checkpoint with a local config (the three shipped in `trainer/configs` or `--model.config`; fp8 ones
+upcast, scaled-fp8 ones dequantized with `trainer.fp8`), the
 built-in toy, or a Hub repo fetched into the Hugging Face cache (`trainer.sources` resolves which).
 The conversion is `t5core.hosts.diffusers.linearize`, as a user would call it.
 """
@@ -24,6 +25,7 @@ from t5core.deltas import fingerprint
 from t5core.hosts.diffusers import T5Handle, arch_of, linearize
 from t5core.sd3_keys import diffusers_module, diffusers_to_sd3
 from trainer.config import ModelConfig, OptimConfig, TrainConfig
+from trainer.fp8 import is_scaled_fp8, read_weights
 from trainer.low_rank import ORIGINAL, add_low_rank, factor_names, low_rank_names
 from trainer.presets import get_preset
 from trainer.sources import local_base
@@ -80,13 +82,6 @@ def _single_file_layout(path: Path) -> tuple[int, bool, bool]:
             keys = [key.removeprefix(_SINGLE_FILE_PREFIX) for key in handle.keys()]
     except (SafetensorError, OSError) as error:
         raise ValueError(f"{path} is not a readable safetensors file ({error}).") from error
-    if "scaled_fp8" in keys or any(key.endswith(".scale_weight") for key in keys):
-        raise ValueError(
-            f"{path.name} is a scaled-fp8 checkpoint: its fp8 weights need per-tensor scales that the diffusers "
-            "loader does not apply, so training would start from wrong weights. Give the fp16 / bf16 checkpoint "
-            "of the same model (sd3.5_large.safetensors, sd3.5_medium.safetensors) or its diffusers folder as "
-            "--model.base."
-        )
     blocks = {int(key.split(".")[1]) for key in keys if key.startswith("joint_blocks.")}
     if not blocks or "x_embedder.proj.weight" not in keys:
         raise ValueError(
@@ -111,6 +106,16 @@ def shipped_config(path: Path) -> Path:
     )
 
 
+def _single_file_weights(path: Path) -> str | dict[str, torch.Tensor]:
+    """What `from_single_file` reads: the checkpoint, or for a scaled-fp8 one its transformer dequantized to
+    float32 (diffusers would upcast the fp8 values without their scales)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        scaled = is_scaled_fp8(handle.keys())
+    return read_weights(path, torch.float32, prefix=_SINGLE_FILE_PREFIX, what="transformer") if scaled else str(path)
+
+
 def load_base(config: ModelConfig) -> nn.Module:
     """Load the softmax base transformer (fp32, eval mode, on CPU); a Hub repo id is downloaded once into the
     Hugging Face cache.
@@ -119,7 +124,8 @@ def load_base(config: ModelConfig) -> nn.Module:
         FileNotFoundError: the base or its config does not exist (a Hub repo: not found, or not in the cache
             under HF_HUB_OFFLINE=1).
         PermissionError: a gated Hub repo without a token.
-        ValueError: the base is not an SD3-family model, or a checkpoint format that would need pickle.
+        ValueError: the base is not an SD3-family model, a checkpoint format that would need pickle or a GGUF
+            file, or a scaled-fp8 checkpoint whose fp8 weight lacks its scale.
     """
     preset = get_preset(config.base)
     if preset is not None:
@@ -141,7 +147,7 @@ def load_base(config: ModelConfig) -> nn.Module:
         else:
             config_folder, subfolder = shipped_config(path), None
         model = SD3Transformer2DModel.from_single_file(
-            str(path),
+            _single_file_weights(path),
             config=str(config_folder.parent if subfolder else config_folder),
             subfolder=subfolder,
             local_files_only=True,

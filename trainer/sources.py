@@ -32,9 +32,10 @@ logger = logging.getLogger(__name__)
 COMFY_ENCODER_NAMES: dict[str, tuple[str, ...]] = {
     "clip_l": ("clip_l.safetensors",),
     "clip_g": ("clip_g.safetensors",),
-    "t5xxl": ("t5xxl_fp16.safetensors", "t5xxl_fp8_e4m3fn.safetensors"),
+    "t5xxl": ("t5xxl_fp16.safetensors", "t5xxl_fp8_e4m3fn.safetensors", "t5xxl_fp8_e4m3fn_scaled.safetensors"),
 }
-"""The file names ComfyUI's SD3 workflows load from `models/text_encoders/`, in order of preference."""
+"""The file names ComfyUI's SD3 workflows load from `models/text_encoders/` (and the scaled-fp8 T5 other
+workflows load), in order of preference."""
 PARTS_CONFIG_DIR = Path(__file__).resolve().parent / "configs" / "sd3_parts"
 """Shipped diffusers / transformers configs of SD3's VAE, text encoders and scheduler (shared by SD3 Medium,
 SD3.5 Medium and SD3.5 Large)."""

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from testing.trainer_assets import trainer_transformer, write_base, write_cache
+from testing.trainer_assets import write_base, write_cache
 from trainer.checkpoint import CheckpointManager
 from trainer.cli import parse_args
 from trainer.config import ParallelConfig
@@ -27,24 +27,9 @@ def inputs(tmp_path_factory):
     save_file({"down_blocks.0.weight": torch.zeros(2)}, str(root / "unet.safetensors"))
     (root / "model.ckpt").write_bytes(b"pickle")
     (root / "model.gguf").write_bytes(b"GGUF")
-    scaled = {f"model.diffusion_model.{key}": tensor for key, tensor in _sd3_state().items()}
-    for key in [key for key in scaled if key.endswith(".weight") and scaled[key].dim() == 2]:
-        scale = scaled[key].abs().max() / 448
-        scaled[key] = (scaled[key] / scale).to(torch.float8_e4m3fn)
-        scaled[key.removesuffix(".weight") + ".scale_weight"] = scale.reshape(1)
-    save_file({**scaled, "scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, str(root / "fp8_scaled.safetensors"))
     (root / "empty_images").mkdir()
     (root / "empty.txt").write_text("# only a comment\n\n")
     return dict(root=root, base=write_base(root / "base"), cache=write_cache(root / "cache", per_bucket=4))
-
-
-def _sd3_state() -> dict[str, torch.Tensor]:
-    """The tiny trainer transformer's weights in SD3 checkpoint naming."""
-    from t5core.hosts.diffusers import arch_of
-    from t5core.sd3_keys import diffusers_to_sd3
-
-    model = trainer_transformer()
-    return diffusers_to_sd3(model.state_dict(), arch_of(model))
 
 
 def flags(inputs, out, *extra, base=None, source="cache", path=None):
@@ -70,12 +55,6 @@ def flags(inputs, out, *extra, base=None, source="cache", path=None):
         pytest.param("unet.safetensors", ValueError, r"is not an SD3 / SD3.5 checkpoint", id="file-not-sd3"),
         pytest.param("model.ckpt", ValueError, r"only .safetensors checkpoints are read", id="pickle-checkpoint"),
         pytest.param("model.gguf", ValueError, r"GGUF checkpoint is quantized for inference", id="gguf-checkpoint"),
-        pytest.param(
-            "fp8_scaled.safetensors",
-            ValueError,
-            r"fp8_scaled.safetensors is a scaled-fp8 checkpoint: .* Give the fp16 / bf16 checkpoint",
-            id="scaled-fp8-checkpoint",
-        ),
         pytest.param("empty_images", FileNotFoundError, r"is not a diffusers model folder", id="empty-folder-as-base"),
     ],
 )

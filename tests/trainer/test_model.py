@@ -9,10 +9,12 @@ import torch
 from safetensors.torch import save_file
 
 from t5core.hosts.diffusers import arch_of
-from t5core.sd3_keys import diffusers_to_sd3
-from testing.trainer_assets import trainer_transformer, write_base
+from t5core.sd3_keys import diffusers_to_sd3, sd3_to_diffusers
+from testing.models import tiny_inputs
+from testing.tolerances import FP8_RATIO, assert_close
+from testing.trainer_assets import dequantized_fp8, scaled_fp8, trainer_transformer, write_base
 from trainer.config import ModelConfig
-from trainer.model import CONFIGS_DIR, base_checkpoint_dtype, load_base, shipped_config
+from trainer.model import CONFIGS_DIR, base_checkpoint_dtype, base_fingerprint, load_base, shipped_config
 
 PREFIX = "model.diffusion_model."
 
@@ -48,6 +50,44 @@ def test_a_plain_fp8_single_file_loads_its_values_upcast(single_file, tmp_path):
     expected = {key: value.to(torch.float8_e4m3fn).float() for key, value in model.state_dict().items()}
     for key, value in loaded.state_dict().items():
         assert value.dtype == torch.float32 and torch.equal(value, expected[key]), key
+
+
+@pytest.fixture
+def scaled(single_file):
+    """The tiny transformer's single file quantized as ComfyUI's scaled fp8, as a dict to save."""
+    model = single_file["model"]
+    state = diffusers_to_sd3(model.state_dict(), arch_of(model))
+    return scaled_fp8({PREFIX + key: value.contiguous() for key, value in state.items()}, prefix=PREFIX)
+
+
+def test_a_scaled_fp8_single_file_loads_dequantized_with_its_scales(single_file, scaled, tmp_path):
+    """ComfyUI's scaled fp8 (`*_fp8_scaled`): every parameter is the fp8 value times its scale, bit for bit,
+    and the model computes what the unquantized one does within fp8 rounding."""
+    path = tmp_path / "tiny_sd35_fp8_scaled.safetensors"
+    save_file(scaled, str(path))
+    loaded = load_base(ModelConfig(base=str(path), config=str(single_file["config"])))
+    model = single_file["model"]
+    reference = {key.removeprefix(PREFIX): value for key, value in dequantized_fp8(scaled).items()}
+    expected = sd3_to_diffusers(reference, arch_of(model))
+    assert loaded.state_dict().keys() == expected.keys()
+    for key, value in loaded.state_dict().items():
+        assert value.dtype == torch.float32 and torch.equal(value, expected[key]), key
+    inputs = tiny_inputs(latent_hw=(8, 12))
+    with torch.no_grad():
+        assert_close("scaled fp8 output", model(**inputs).sample, loaded(**inputs).sample, FP8_RATIO)
+    # the fp8 blocks decide, not their float32 scales
+    assert base_checkpoint_dtype(ModelConfig(base=str(path))) == torch.bfloat16
+    # the fingerprint reads signs, which fp8 rounding keeps: the unquantized model's
+    assert base_fingerprint(loaded, arch_of(loaded)) == base_fingerprint(model, arch_of(model))
+
+
+def test_a_scaled_fp8_weight_without_its_scale_names_the_tensor_and_the_file(single_file, scaled, tmp_path):
+    del scaled[PREFIX + "joint_blocks.0.context_block.mlp.fc2.scale_weight"]
+    path = tmp_path / "broken_fp8_scaled.safetensors"
+    save_file(scaled, str(path))
+    match = r"broken_fp8_scaled\.safetensors: the fp8 tensor joint_blocks\.0\.context_block\.mlp\.fc2\.weight has no"
+    with pytest.raises(ValueError, match=match):
+        load_base(ModelConfig(base=str(path), config=str(single_file["config"])))
 
 
 def test_diffusers_folder_loads(single_file):

@@ -14,12 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from testing.trainer_assets import write_comfyui
+from testing.tolerances import FP8_RATIO, assert_close
+from testing.trainer_assets import dequantized_fp8, scaled_fp8, write_comfyui
 from trainer.cli import parse_args
 from trainer.config import ModelConfig
 from trainer.model import load_base
-from trainer.single_file import load_single_file_pipeline
-from trainer.sources import find_text_parts
+from trainer.single_file import load_single_file_pipeline, load_text_encoder
+from trainer.sources import bundled_prefix, find_text_parts
 from trainer.train import run
 
 T5_TOKENS = 8
@@ -96,11 +97,23 @@ def test_missing_checkpoint_names_the_folder(separate):
 
 def test_missing_text_encoder_names_what_was_looked_for(separate):
     (separate["comfyui"] / "models" / "text_encoders" / "t5xxl_fp16.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match=r"none of t5xxl_fp16\.safetensors, t5xxl_fp8_e4m3fn\.safetensors"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"none of t5xxl_fp16\.safetensors, t5xxl_fp8_e4m3fn\.safetensors, t5xxl_fp8_e4m3fn_scaled",
+    ):
         find_text_parts(model_config(separate), "")
     config = ModelConfig(base=str(separate["checkpoint"]), config=str(separate["configs"]))
     with pytest.raises(FileNotFoundError, match=r"no bundled clip_l text encoder\. Give its file with --model\.clip_l"):
         find_text_parts(config, "")
+
+
+def test_a_scaled_fp8_t5_file_is_found_in_the_comfyui_folder(separate):
+    encoders = separate["comfyui"] / "models" / "text_encoders"
+    (encoders / "t5xxl_fp16.safetensors").rename(encoders / "t5xxl_fp8_e4m3fn_scaled.safetensors")
+    assert (
+        find_text_parts(model_config(separate), "").encoders["t5xxl"]
+        == encoders / "t5xxl_fp8_e4m3fn_scaled.safetensors"
+    )
 
 
 def test_tokenizers_need_a_comfyui_folder(separate):
@@ -117,18 +130,46 @@ def test_tokenizers_need_a_comfyui_folder(separate):
         find_text_parts(model_config(separate), "")
 
 
-def test_fp8_t5_is_upcast_and_scaled_fp8_refused(tmp_path, caplog):
+def test_fp8_t5_is_upcast(tmp_path, caplog):
     files = write_comfyui(tmp_path, bundled=False, t5_dtype=torch.float8_e4m3fn)
     fp8 = files["comfyui"] / "models" / "text_encoders" / "t5xxl_fp8_e4m3fn.safetensors"
     config = model_config(files)
-    with caplog.at_level(logging.INFO, logger="trainer.single_file"):
+    with caplog.at_level(logging.INFO, logger="trainer.fp8"):
         pipe = load_single_file_pipeline(find_text_parts(config, ""), load_base(config), dtype=torch.float32)
     assert "holds fp8 t5xxl weights; upcasting them to torch.float32" in caplog.text
     expected = load_file(str(fp8))["shared.weight"].float()
     assert torch.equal(pipe.text_encoder_3.shared.weight, expected)
-    save_file({**load_file(str(fp8)), "scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, str(fp8))
-    with pytest.raises(ValueError, match=r"scaled-fp8 t5xxl file.*Use the fp16 file"):
-        load_single_file_pipeline(find_text_parts(config, ""), load_base(config), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("role", ["clip_l", "t5xxl"])
+def test_a_scaled_fp8_text_encoder_loads_dequantized_with_its_scales(comfy_install, role, tmp_path):
+    """ComfyUI's scaled fp8, in its own file (`t5xxl_fp8_e4m3fn_scaled`) or bundled in the checkpoint
+    (`sd3.5_large_fp8_scaled`): every weight is the fp8 value times its scale, bit for bit, and the encoder
+    computes what the unquantized one does within fp8 rounding."""
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    bundled = any(key.startswith(bundled_prefix(role)) for key in load_file(str(comfy_install["checkpoint"])))
+    if bundled:
+        source, prefix = comfy_install["checkpoint"], bundled_prefix(role)
+    else:
+        name = "t5xxl_fp16.safetensors" if role == "t5xxl" else f"{role}.safetensors"
+        source, prefix = comfy_install["comfyui"] / "models" / "text_encoders" / name, ""
+    tensors = load_file(str(source))
+    scaled = scaled_fp8({key: value for key, value in tensors.items() if key.startswith(prefix)}, prefix=prefix)
+    path = tmp_path / f"{role}_fp8_scaled.safetensors"
+    save_file({**tensors, **scaled}, str(path))
+    encoder = load_text_encoder(path, role, configs=comfy_install["configs"], dtype=torch.float32)
+    state = encoder.state_dict()
+    expected = {key.removeprefix(prefix): value for key, value in dequantized_fp8(scaled).items()}
+    assert any(value.dtype == torch.float8_e4m3fn for value in scaled.values())
+    for key, value in expected.items():
+        assert state[key].dtype == torch.float32 and torch.equal(state[key], value), key
+    cls, subfolder = (T5EncoderModel, "text_encoder_3") if role == "t5xxl" else (CLIPTextModel, "text_encoder")
+    reference = cls.from_pretrained(comfy_install["reference"] / subfolder, local_files_only=True).eval()
+    tokens = torch.randint(0, reference.config.vocab_size, (2, T5_TOKENS), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = encoder(tokens).last_hidden_state, reference(tokens).last_hidden_state
+    assert_close(f"scaled fp8 {role}", want, got, FP8_RATIO)
 
 
 def _hub_cache(root, reference, repo_id: str) -> str:
