@@ -31,7 +31,9 @@ from trainer.presets import get_preset
 from trainer.sources import local_base
 
 __all__ = [
+    "BaseFiles",
     "ParamSplit",
+    "base_files",
     "base_checkpoint_dtype",
     "base_fingerprint",
     "base_weight_files",
@@ -116,43 +118,47 @@ def _single_file_weights(path: Path) -> str | dict[str, torch.Tensor]:
     return read_weights(path, torch.float32, prefix=_SINGLE_FILE_PREFIX, what="transformer") if scaled else str(path)
 
 
-def load_base(config: ModelConfig) -> nn.Module:
-    """Load the softmax base transformer (fp32, eval mode, on CPU); a Hub repo id is downloaded once into the
-    Hugging Face cache.
+@dataclass(frozen=True, slots=True)
+class BaseFiles:
+    """Where `--model.base`'s transformer is read from, checked without loading a weight.
+
+    Attributes:
+        path: the diffusers folder or the single-file checkpoint.
+        config: the folder holding the transformer's diffusers `config.json`.
+    """
+
+    path: Path
+    config: Path
+
+    @property
+    def single_file(self) -> bool:
+        return self.path.is_file()
+
+    def read_config(self) -> dict:
+        """The transformer's diffusers config."""
+        return json.loads((self.config / "config.json").read_text(encoding="utf-8"))
+
+
+def base_files(config: ModelConfig) -> BaseFiles:
+    """`--model.base` resolved and checked as an SD3-family transformer, from its config and key names alone (a
+    Hub repo id is downloaded once into the Hugging Face cache).
 
     Raises:
         FileNotFoundError: the base or its config does not exist (a Hub repo: not found, or not in the cache
             under HF_HUB_OFFLINE=1).
         PermissionError: a gated Hub repo without a token.
-        ValueError: the base is not an SD3-family model, a checkpoint format that would need pickle or a GGUF
-            file, or a scaled-fp8 checkpoint whose fp8 weight lacks its scale.
+        ValueError: the base is not an SD3-family model, or a checkpoint format that would need pickle or a GGUF
+            file.
     """
-    preset = get_preset(config.base)
-    if preset is not None:
-        return preset.load_base()
-    from diffusers import SD3Transformer2DModel
-
     path = local_base(config)
     if path.is_dir():
-        folder, subfolder = transformer_folder(path)
-        _check_class(folder / "config.json")
-        model = SD3Transformer2DModel.from_pretrained(
-            str(path), subfolder=subfolder, local_files_only=True, torch_dtype=torch.float32
-        )
+        folder, _ = transformer_folder(path)
     elif path.suffix == ".safetensors":
         if config.config:
-            config_folder, subfolder = transformer_folder(Path(config.config).expanduser())
-            _check_class(config_folder / "config.json")
+            folder, _ = transformer_folder(Path(config.config).expanduser())
             _single_file_layout(path)
         else:
-            config_folder, subfolder = shipped_config(path), None
-        model = SD3Transformer2DModel.from_single_file(
-            _single_file_weights(path),
-            config=str(config_folder.parent if subfolder else config_folder),
-            subfolder=subfolder,
-            local_files_only=True,
-            torch_dtype=torch.float32,
-        )
+            folder = shipped_config(path)
     elif path.suffix == ".gguf":
         raise ValueError(
             f"{path}: a GGUF checkpoint is quantized for inference, and training cannot start from its weights. "
@@ -163,6 +169,30 @@ def load_base(config: ModelConfig) -> nn.Module:
         raise ValueError(
             f"{path}: only .safetensors checkpoints are read (other formats need pickle). Convert it to "
             "safetensors, or give a diffusers folder."
+        )
+    _check_class(folder / "config.json")
+    return BaseFiles(path, folder)
+
+
+def load_base(config: ModelConfig) -> nn.Module:
+    """Load the softmax base transformer (fp32, eval mode, on CPU) that `base_files` finds.
+
+    Raises:
+        As `base_files`, and ValueError for a scaled-fp8 checkpoint whose fp8 weight lacks its scale.
+    """
+    preset = get_preset(config.base)
+    if preset is not None:
+        return preset.load_base()
+    from diffusers import SD3Transformer2DModel
+
+    files = base_files(config)
+    if files.single_file:
+        model = SD3Transformer2DModel.from_single_file(
+            _single_file_weights(files.path), config=str(files.config), local_files_only=True, torch_dtype=torch.float32
+        )
+    else:
+        model = SD3Transformer2DModel.from_pretrained(
+            str(files.config), local_files_only=True, torch_dtype=torch.float32
         )
     arch_of(model)
     return model.eval()

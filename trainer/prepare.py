@@ -9,10 +9,11 @@ of `--data.shard_size`, and have rank r encode shards r, r + N, ...; rank 0 show
 an ETA. Each phase holds only what it needs on the device: images use the text encoders and the VAE
 (in micro-batches of `vae_batch` images, sized by the run's memory plan); prompts are first embedded by
 the text encoders, which then leave, and a frozen copy of the transformer in the pipeline's dtype
-generates (the base the run trains stays on the host, in fp32, untouched). A shard already on disk is kept, so an interrupted preparation resumes where it stopped;
-`plan.json` records what the shards hold, and a cache folder planned for other inputs or settings is
-refused rather than mixed. Unreadable images and missing captions are skipped and counted, never a
-crash mid-run; an empty input is an error. The cache's files and format are `trainer.cache`'s.
+generates (the base the run trains stays on the host, in fp32, untouched). A shard already on disk is
+kept, so an interrupted preparation resumes where it stopped; `plan.json` records what the shards hold,
+and a cache folder planned for other inputs or settings is refused rather than mixed. Unreadable images
+and missing captions are skipped and counted, never a crash mid-run; an empty input is an error. The
+cache's files and format are `trainer.cache`'s.
 """
 
 from __future__ import annotations
@@ -33,14 +34,24 @@ from tqdm.auto import tqdm
 
 from t5core.atomic import write_atomic
 from trainer.cache import MANIFEST, check_finished, check_plan, finish_cache, shard_name, write_shard
-from trainer.config import DataConfig
+from trainer.config import DataConfig, TrainConfig
 from trainer.data import Batch, bucket_sizes, nearest_bucket
 from trainer.distributed import World
 from trainer.prompt_set import default_prompts
 from trainer.seeds import derived_seed
 from trainer.sources import PipelineFiles
 
-__all__ = ["DEFAULT_RESOLUTION", "IMAGE_SUFFIXES", "prepare_data"]
+__all__ = [
+    "DEFAULT_RESOLUTION",
+    "EMBEDDINGS_DIR",
+    "IMAGE_SUFFIXES",
+    "cache_dir_of",
+    "check_inputs",
+    "frozen_copy",
+    "needs_preparation",
+    "prepare_data",
+    "release_device_memory",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -415,6 +426,29 @@ def _prompt_inputs(data: DataConfig, world: World, transformer: nn.Module) -> _I
         items=lambda sizes: ([_Item(str(i), prompt, sizes[i % len(sizes)]) for i, prompt in enumerate(prompts)], {}),
         write=write,
     )
+
+
+def cache_dir_of(config: TrainConfig) -> Path:
+    """Where a run prepares its data cache: `--data.cache_dir`, else `data-cache` in the output folder."""
+    return Path(config.data.cache_dir or Path(config.output.dir).expanduser() / "data-cache")
+
+
+def needs_preparation(config: TrainConfig) -> bool:
+    """Whether the run will prepare data: an image or prompt source whose cache is not finished."""
+    return config.data.source != "cache" and not (cache_dir_of(config) / MANIFEST).is_file()
+
+
+def check_inputs(data: DataConfig) -> None:
+    """Check what `prepare_data` would read first, without reading it all: the image folder holds images, the
+    prompts file has prompts.
+
+    Raises:
+        FileNotFoundError: no such folder or file. ValueError: no images or prompts in it.
+    """
+    if data.source == "images":
+        _list_images(Path(data.path))
+    elif data.path:
+        _read_prompts(Path(data.path))
 
 
 @torch.no_grad()
