@@ -226,9 +226,10 @@ def base_checkpoint_dtype(config: ModelConfig) -> torch.dtype:
     """The precision the base checkpoint stores its transformer blocks in, read from the safetensors
     headers (no tensor is loaded): the dtype holding most of the blocks' parameters.
 
-    A T5 weights file holds float32, float16 and bfloat16 tensors: an fp8 base gives bfloat16 (which
-    holds every fp8 value exactly), and a base whose blocks are in neither (fp64, or no safetensors
-    file) gives float32, with a log line.
+    A T5 weights file holds float32, float16 and bfloat16 tensors: a plain fp8 base gives bfloat16 (which
+    holds every fp8 value exactly); a scaled-fp8 base gives float32 (an fp8 value times a float32 scale
+    needs it, or unchanged weights would export rounding as deltas), and so does a base whose blocks are
+    in neither (fp64, or no safetensors file), with a log line.
 
     Raises:
         FileNotFoundError: as `load_base`, for a base that does not exist.
@@ -238,6 +239,8 @@ def base_checkpoint_dtype(config: ModelConfig) -> torch.dtype:
     counts: dict[str, int] = {}
     for file in (path for path in base_weight_files(config).values() if path.suffix == ".safetensors"):
         with safe_open(str(file), framework="pt") as handle:
+            if is_scaled_fp8(handle.keys()):
+                counts["scaled fp8"] = math.inf
             for key in handle.keys():
                 if any(block in key for block in _BLOCK_KEYS):
                     part = handle.get_slice(key)
