@@ -70,6 +70,9 @@ _RESUME_KEYS = (
     "data.path",
     "training.batch_size",
     "training.seed",
+    "validation.enabled",
+    "validation.holdout",
+    "validation.seed",
 )
 """Settings a resumed run must share with its checkpoint (others, such as steps or the backend, may change)."""
 

@@ -30,6 +30,7 @@ __all__ = [
     "TrainConfig",
     "TrainingConfig",
     "TransferConfig",
+    "ValidationConfig",
 ]
 
 COMFYUI_CHECKPOINTS = "models/checkpoints"
@@ -425,6 +426,36 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ValidationConfig:
+    """Sample grids and a held-out flow-matching loss during an SD3-family run (a model preset, such as the toy,
+    has its own evaluation after training instead)."""
+
+    enabled: bool = False
+    """Validate the run: at the start (the softmax teacher and T5 as initialised), every `--validation.every`
+    steps and at the end, write a sample grid to `<output.dir>/validation/` and log the held-out loss
+    (`val/loss`) in `metrics.jsonl`. Needs the base's text encoders and VAE, as `--data.source images` does."""
+    every: int = 250
+    """Optimizer steps between validations (0 = only at the start and the end)."""
+    prompts: str = ""
+    """A text file of sample prompts, one a line (# starts a comment); empty = the first 4 prompts of the shipped
+    default set. They are encoded once, into `<output.dir>/validation/prompts.safetensors`."""
+    samples_steps: int = 20
+    """Sampling steps of each sample (flow-matching Euler, the base scheduler's shift)."""
+    guidance_scale: float = 4.5
+    """Classifier-free guidance scale of the samples (1 = none)."""
+    seed: int = 0
+    """Seed of the samples' noise, the held-out samples and their noise and timesteps."""
+    holdout: int = 16
+    """Cached samples kept out of training, on which the held-out loss is measured (0 = no held-out loss)."""
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, "validation.every", "must not be negative (0 = only at the start and the end).")
+        _require(self.samples_steps >= 1, "validation.samples_steps", "must be at least 1.")
+        _require(self.guidance_scale >= 1, "validation.guidance_scale", "must be at least 1 (1 = no guidance).")
+        _require(self.holdout >= 0, "validation.holdout", "must not be negative (0 = no held-out loss).")
+
+
+@dataclass(kw_only=True, slots=True)
 class TrainConfig:
     """The whole run: one section per part of the trainer."""
 
@@ -437,6 +468,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
     def __post_init__(self) -> None:
         _require(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,14 +58,24 @@ class BatchPlan:
     """Which samples form global batch `step`: a pure function of (seed, step).
 
     Every epoch shuffles each bucket, cuts it into full global batches (a remainder smaller than a
-    batch waits for the next epoch's shuffle) and shuffles the batch order across buckets.
+    batch waits for the next epoch's shuffle) and shuffles the batch order across buckets. Samples in
+    `exclude` (held out for validation) are never drawn.
 
     Raises:
         ValueError: no bucket holds a full global batch (says how many samples each bucket has).
     """
 
-    def __init__(self, buckets: dict[tuple[int, int], list[int]], *, batch_size: int, seed: int) -> None:
-        self.buckets = {key: list(value) for key, value in sorted(buckets.items()) if value}
+    def __init__(
+        self,
+        buckets: dict[tuple[int, int], list[int]],
+        *,
+        batch_size: int,
+        seed: int,
+        exclude: Collection[int] = (),
+    ) -> None:
+        left_out = set(exclude)
+        kept = {key: [index for index in value if index not in left_out] for key, value in sorted(buckets.items())}
+        self.buckets = {key: value for key, value in kept.items() if value}
         self.batch_size, self.seed = batch_size, seed
         self._cached: tuple[int, list[list[int]]] | None = None
         self.batches_per_epoch = sum(len(v) // batch_size for v in self.buckets.values())

@@ -268,7 +268,7 @@ def _flatten(section: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]
         if isinstance(value, dict):
             rows += _flatten(value, f"{prefix}{key}.")
         else:
-            rows.append((f"{prefix}{key}", f"{value:.4g}" if isinstance(value, float) else value))
+            rows.append((f"{prefix}{key}", f"{value:.4g}" if isinstance(value, float) else _cell(value)))
     return rows
 
 

@@ -53,6 +53,9 @@ class TrainParts:
     teacher: nn.Module | None = None
     captures: tuple[AttentionCapture, AttentionCapture] | None = None
     """(student, teacher) attention outputs for `--loss.feature_weight`."""
+    validate: Callable[[int], dict[str, float]] | None = None
+    """Validation (`trainer.validation`): step -> its metrics, merged into that step's line; run at step 0 of a
+    fresh start, every `--validation.every` steps and at the last step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +159,14 @@ def _out_of_time(parts: TrainParts, deadline: float | None) -> bool:
     return bool(flag.item())
 
 
+def _validate(parts: TrainParts, step: int, *, last: bool) -> dict[str, float]:
+    """`parts.validate(step)` every `--validation.every` steps and at the run's last step; {} otherwise."""
+    every = parts.config.validation.every
+    if parts.validate is None or not (last or (every and step % every == 0)):
+        return {}
+    return parts.validate(step)
+
+
 def train_loop(parts: TrainParts, *, start: Start) -> LoopResult:
     """Train from `start` until `--training.steps`, or until the run's training time (this session's and
     the resumed checkpoint's) reaches `--training.max_minutes`; checkpoint on the way."""
@@ -169,6 +180,9 @@ def train_loop(parts: TrainParts, *, start: Start) -> LoopResult:
     step, reason, last = start.step, "steps", {}
     if budget and start.seconds >= budget:  # resumed only to export: the time was spent before
         return LoopResult(step, "time", last, 0.0)
+    validated = _validate(parts, 0, last=True) if start.step == 0 else {}
+    if validated:
+        parts.metrics.write(0, validated)
     try:
         while step < total:
             tick = time.perf_counter()
@@ -180,7 +194,9 @@ def train_loop(parts: TrainParts, *, start: Start) -> LoopResult:
             if parts.world.device.type == "cuda":
                 last["memory/max_reserved(GiB)"] = torch.cuda.max_memory_reserved(parts.world.device) / 1024**3
             stop = _out_of_time(parts, deadline)
-            if step % config.output.log_every == 0 or step == total or stop:
+            validated = _validate(parts, step, last=step == total or stop)
+            last.update(validated)
+            if validated or step % config.output.log_every == 0 or step == total or stop:
                 parts.metrics.write(step, last)
             logger.debug("step %d: %s", step, last)
             progress.update(last["loss/total"])

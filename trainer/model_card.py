@@ -18,6 +18,7 @@ from trainer.cli import config_to_toml
 from trainer.config import ModelConfig, TrainConfig
 from trainer.model import base_weight_files
 from trainer.presets import ModelPreset, get_preset
+from trainer.validation import REPORT_KEY, card_section
 
 __all__ = ["RUN_CARD", "base_digests", "card_name", "check_run_card", "model_card"]
 
@@ -159,9 +160,11 @@ def _training_section(report: Mapping[str, Any]) -> list[str]:
 
 def _validation_section(report: Mapping[str, Any], preset: ModelPreset | None) -> list[str]:
     evaluation = report.get(preset.evaluation_name) if preset is not None else None
-    if not evaluation:
-        return ["## Validation", "", "None ran in this run; compare samples with the base model."]
-    return ["## Validation", "", *preset.card_section(evaluation)]
+    if evaluation:
+        return ["## Validation", "", *preset.card_section(evaluation)]
+    if report.get(REPORT_KEY):
+        return ["## Validation", "", *card_section(report[REPORT_KEY])]
+    return ["## Validation", "", "None ran in this run; compare samples with the base model."]
 
 
 def _usage_section(report: Mapping[str, Any], preset: ModelPreset | None, weights_name: str) -> list[str]:
@@ -194,8 +197,8 @@ def model_card(config: TrainConfig, report: Mapping[str, Any], *, weights_name: 
     Args:
         config: the run's resolved config.
         report: the run report (`report.json`): `step`, `stop_reason`, `last_step`, `processes`,
-            `parameters`, and when present `converted_layers`, `base_sha256` and the base preset's
-            evaluation (under its `evaluation_name`).
+            `parameters`, and when present `converted_layers`, `base_sha256`, and the base preset's
+            evaluation (under its `evaluation_name`) or the run's validation (`trainer.validation.REPORT_KEY`).
         weights_name: the weights file's name (`--output.name`).
 
     Returns:

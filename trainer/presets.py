@@ -98,8 +98,8 @@ def check_config(config: TrainConfig) -> None:
 
     Raises:
         ValueError: names the flag to change: a preset base with another data source, a preset's
-            data source with another base, a source that reads a path without one, or data settings
-            the preset cannot use.
+            data source with another base, a source that reads a path without one, data settings
+            the preset cannot use, or `--validation.enabled` for a preset (it has its own evaluation).
     """
     preset, source, owned = get_preset(config.model.base), config.data.source, preset_data_sources()
     if source != "prompts" and source not in owned and not config.data.path:
@@ -113,6 +113,11 @@ def check_config(config: TrainConfig) -> None:
         raise ValueError(
             f"--data.source: --data.source {source!r} belongs to a built-in model; --model.base "
             f"{config.model.base!r} trains on `images`, `prompts` or a `cache`."
+        )
+    if preset is not None and config.validation.enabled:
+        raise ValueError(
+            f"--validation.enabled: the {preset.name} base is evaluated after training by its own "
+            f"{preset.evaluation_name}; leave --validation.enabled off for it."
         )
     if preset is not None:
         preset.build_source(config.data)

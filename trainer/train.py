@@ -41,6 +41,7 @@ from trainer.presets import check_config, get_preset
 from trainer.seeds import rank_seed, seed_everything
 from trainer.sources import find_text_parts
 from trainer.transfer import STAGE, TransferParts, check_transfer_mode, resume_transfer, run_transfer
+from trainer.validation import Validator, build_validator
 
 __all__ = ["RunResult", "run"]
 
@@ -178,9 +179,10 @@ def _train_parts(
     plan: BatchPlan,
     checkpoints: CheckpointManager,
     output: Path,
+    validator: Validator | None,
 ) -> TrainParts:
     """What the loop runs: attention captures for `--loss.feature_weight`, the student wrapped on the device,
-    per-rank seeds, the optimizer and its schedule, and the metrics file."""
+    per-rank seeds, the optimizer and its schedule, the metrics file and the validation hook."""
     captures = None
     if teacher is not None and config.loss.feature_weight > 0:
         names = [diffusers_module(name) for name in handle.modules]
@@ -200,6 +202,7 @@ def _train_parts(
         metrics=MetricsWriter(output / "metrics.jsonl", enabled=world.is_main),
         teacher=teacher,
         captures=captures,
+        validate=validator.bind(handle) if validator else None,
     )
 
 
@@ -241,15 +244,20 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     base = load_base(config.model)
     fingerprint = base_fingerprint(base, arch_of(base))
     source = _build_source(config, base, world, output)
-    plan = BatchPlan(source.buckets(), batch_size=config.training.batch_size, seed=config.training.seed)
+    validator = build_validator(config, world, base=base, source=source, output=output)
+    held_out = validator.held_out if validator else ()
+    plan = BatchPlan(
+        source.buckets(), batch_size=config.training.batch_size, seed=config.training.seed, exclude=held_out
+    )
     teacher = make_teacher(base, dtype=config.training.dtype) if config.loss.needs_teacher else None
     handle, split = build_model(base, config)
     record = record_base(config, handle, split, world, fingerprint=fingerprint)
     memory = plan_run(config, handle, split, source=source, plan=plan, world=world, teacher=teacher)
     _start_output(config, world, [checkpoints, transfer_checkpoints], output)
     parts = _train_parts(
-        config, world, handle, split, teacher=teacher, source=source, plan=plan, checkpoints=checkpoints, output=output
-    )
+        config, world, handle, split, teacher=teacher, source=source, plan=plan, checkpoints=checkpoints, output=output,
+        validator=validator,
+    )  # fmt: skip
     checkpoints.track(parts.model, parts.optimizer, parts.scheduler)
     if resume is None and config.transfer.steps:
         transfer = TransferParts(config, world, handle, parts.model, source, plan, transfer_checkpoints, parts.metrics)
@@ -261,6 +269,8 @@ def _run(config: TrainConfig, world: World) -> RunResult:
 
     weights = export_run(config, handle, split, world, record=record, steps=result.step)
     evaluation = _evaluate(config, handle, world, output)
+    if validator is not None:
+        evaluation |= validator.report(parts.metrics.path, step=result.step)
     report = run_report(
         config, result, weights=weights, world=world, handle=handle, split=split, memory=memory, evaluation=evaluation
     )
