@@ -104,7 +104,8 @@ def _measure(resolution: int) -> dict:
 
     flags = ["--config", str(RECIPE), "--model.base", "random SD3.5 Medium", "--data.source", "cache"]
     flags += ["--data.path", "(in memory)", "--training.gradient_checkpointing", "false", "--parallel.device", "cpu"]
-    config = parse_args(flags + ["--data.resolution", str(resolution), "--training.batch_size", "1"])
+    flags += ["--training.batch_size", "1", "--training.accumulate", "1"]
+    config = parse_args(flags + ["--data.resolution", str(resolution)])
     torch.set_num_threads(config.training.threads)
     baseline = _status_kib("VmRSS")
     _reset_peak()

@@ -305,7 +305,11 @@ class TrainingConfig:
     """Batch, length, precision and seeding of the run."""
 
     batch_size: int = 16
-    """Global batch size (split evenly across processes)."""
+    """Global batch size: the samples of one optimizer step, split evenly across processes."""
+    accumulate: int = 1
+    """Micro-batches per optimizer step: each process runs `batch_size / (processes * accumulate)` samples at a
+    time and adds up their gradients before one optimizer step. Lower memory for more time per step; the
+    numbers are those of the whole batch at once."""
     steps: int = 120
     """Optimizer steps."""
     max_minutes: float = 0.0
@@ -324,6 +328,7 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, "training.batch_size", "must be at least 1.")
+        _require(self.accumulate >= 1, "training.accumulate", f"must be at least 1 (1 = none); got {self.accumulate}.")
         _require(self.steps >= 0, "training.steps", "must not be negative (0 = no fine-tune, with --transfer.steps).")
         _require(self.max_minutes >= 0, "training.max_minutes", "must not be negative.")
         _require(self.threads >= 0, "training.threads", "must not be negative.")

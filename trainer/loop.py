@@ -2,7 +2,9 @@
 
 Noise, sigmas and caption dropout of step s are drawn for the whole global batch from the stream
 `derived_seed(seed, "noise", s)` and each rank keeps its rows, so a run gives the same numbers with
-one process or N and after a resume.
+one process or N and after a resume. With `--training.accumulate` a rank runs its rows in equal
+micro-batches and adds up their gradients before the one optimizer step, which changes only the order
+of floating-point sums.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,12 +26,13 @@ from trainer.cli import config_to_toml
 from trainer.config import TrainConfig
 from trainer.data import Batch, BatchPlan, Source
 from trainer.distributed import World
-from trainer.losses import AttentionCapture, LossTerms, sample_sigmas, step_losses
+from trainer.losses import AttentionCapture, sample_sigmas, step_losses
 from trainer.metrics import MetricsWriter, Progress
-from trainer.optim import optimizer_step
+from trainer.optim import finish_step
+from trainer.parallelize import gradient_sync
 from trainer.seeds import derived_seed
 
-__all__ = ["BatchParts", "LoopResult", "TrainParts", "load_batch", "train_loop", "train_step"]
+__all__ = ["BatchParts", "LoopResult", "TrainParts", "micro_batches", "train_loop", "train_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,14 +100,18 @@ def _noise(
     return noise[rows], sigmas[rows], dropped[rows]
 
 
-def load_batch(
+def micro_batches(
     parts: BatchParts, step: int, *, stream: str = "noise", draw_sigmas: SigmaSampler | None = None
-) -> tuple[Batch, Tensor, Tensor]:
-    """This rank's batch of step `step` with its captions dropped, noise and sigmas, on the device.
+) -> Iterator[tuple[Batch, Tensor, Tensor]]:
+    """This rank's rows of global batch `step` with their captions dropped, noise and sigmas, cut into
+    `--training.accumulate` equal micro-batches in row order, each moved to the device when it is reached.
 
     Args:
         stream: the random stream of noise, sigmas and dropout (`derived_seed(seed, stream, step)`).
         draw_sigmas: draws `(count,)` sigmas from a generator; default: `--loss`'s logit-normal density.
+
+    Yields:
+        `(batch, noise, sigmas)` of each micro-batch, on the device.
     """
     if draw_sigmas is None:
         draw_sigmas = functools.partial(sample_sigmas, config=parts.config.loss)
@@ -119,34 +126,47 @@ def load_batch(
             torch.where(dropped.view(-1, 1), pooled.expand_as(batch.pooled), batch.pooled),
         )
     device = parts.world.device
-    return batch.to(device), noise.to(device), sigmas.to(device)
+    size = len(batch) // parts.config.training.accumulate
+    for start in range(0, len(batch), size):
+        rows = slice(start, start + size)
+        micro = Batch(batch.latents[rows], batch.context[rows], batch.pooled[rows])
+        yield micro.to(device), noise[rows].to(device), sigmas[rows].to(device)
 
 
-def _mean_over_ranks(losses: LossTerms, world: World) -> dict[str, float]:
-    values = torch.stack([losses.total.detach().float(), *(v.float() for v in losses.terms.values())])
+def _mean_over_ranks(losses: dict[str, Tensor], world: World) -> dict[str, float]:
+    """`{"loss/<name>": mean over ranks}` of each rank's `{name: loss}`."""
+    values = torch.stack(list(losses.values()))
     dist.all_reduce(values, op=dist.ReduceOp.SUM)
     values = (values / world.world_size).tolist()
-    return {"loss/total": values[0], **{f"loss/{name}": v for name, v in zip(losses.terms, values[1:], strict=True)}}
+    return {f"loss/{name}": value for name, value in zip(losses, values, strict=True)}
 
 
 def train_step(parts: TrainParts, step: int) -> dict[str, float]:
-    """Run optimizer step `step` (0-based) and return its metrics, averaged over ranks."""
-    batch, noise, sigmas = load_batch(parts, step)
-    with _autocast(parts):
-        losses = step_losses(
-            parts.model,
-            batch.latents,
-            noise=noise,
-            sigmas=sigmas,
-            context=batch.context,
-            pooled=batch.pooled,
-            config=parts.config.loss,
-            teacher=parts.teacher,
-            captures=parts.captures,
-        )
+    """Run optimizer step `step` (0-based) over its micro-batches and return its metrics: the losses averaged
+    over the global batch."""
+    accumulate = parts.config.training.accumulate
     lrs = {f"lr/{group['name']}": group["lr"] for group in parts.optimizer.param_groups}
-    grad_norm = optimizer_step(losses.total, parts.optimizer, parts.scheduler, grad_clip=parts.config.optim.grad_clip)
-    metrics = {**_mean_over_ranks(losses, parts.world), **lrs}
+    means: dict[str, Tensor] = {}
+    for index, (batch, noise, sigmas) in enumerate(micro_batches(parts, step)):
+        with gradient_sync(parts.model, enabled=index == accumulate - 1):
+            with _autocast(parts):
+                losses = step_losses(
+                    parts.model,
+                    batch.latents,
+                    noise=noise,
+                    sigmas=sigmas,
+                    context=batch.context,
+                    pooled=batch.pooled,
+                    config=parts.config.loss,
+                    teacher=parts.teacher,
+                    captures=parts.captures,
+                )
+            # Micro-batches are equal in size: their scaled gradients add up to the gradient of the rank's mean.
+            (losses.total / accumulate).backward()
+        for name, value in {"total": losses.total.detach(), **losses.terms}.items():
+            means[name] = means.get(name, 0.0) + value.float() / accumulate
+    grad_norm = finish_step(parts.optimizer, parts.scheduler, grad_clip=parts.config.optim.grad_clip)
+    metrics = {**_mean_over_ranks(means, parts.world), **lrs}
     if grad_norm is not None:
         metrics["grad_norm"] = float(grad_norm)
     return metrics

@@ -89,14 +89,21 @@ def count_parameters(handle: T5Handle, split: ParamSplit) -> ParamCounts:
 
 
 def run_shape(
-    arch: BaseArch, converted: list[str], *, batch_per_rank: int, image_tokens: int, text_tokens: int
+    arch: BaseArch,
+    converted: list[str],
+    *,
+    batch_per_rank: int,
+    image_tokens: int,
+    text_tokens: int,
+    accumulate: int = 1,
 ) -> RunShape:
     """The `RunShape` of a converted model.
 
     Args:
         arch (`BaseArch`): the base model's shape.
         converted (`list[str]`): the converted modules, named as `T5Handle.modules` names them (`blocks.3.attn2`).
-        batch_per_rank (`int`): samples per rank. image_tokens, text_tokens (`int`): tokens per sample.
+        batch_per_rank (`int`): samples per rank in one micro-batch. image_tokens, text_tokens (`int`): tokens per
+            sample. accumulate (`int`, *optional*): micro-batches per optimizer step.
     """
     image_only = len(arch.dual_attention_layers)
     converted_image_only = sum(name.endswith(".attn2") for name in converted)
@@ -109,6 +116,7 @@ def run_shape(
         image_only_blocks=image_only,
         softmax_joint=arch.depth - (len(converted) - converted_image_only),
         softmax_image_only=image_only - converted_image_only,
+        accumulate=accumulate,
     )
 
 
@@ -223,10 +231,23 @@ def suggest(counts: ParamCounts, shape: RunShape, settings: PlanSettings, *, bud
         if plan.fits:
             found.append(f"{flags} (about {plan.total_gib:.1f} GiB)")
     if shape.batch_per_rank > 1:
+        # More micro-batches per step, the largest that fits: the same global batch and numbers, in more time.
+        for split in (n for n in range(2, shape.batch_per_rank + 1) if shape.batch_per_rank % n == 0):
+            micro = dataclasses.replace(
+                shape, batch_per_rank=shape.batch_per_rank // split, accumulate=shape.accumulate * split
+            )
+            plan = plan_memory(counts, micro, settings, budget_gib=budget_gib)
+            if plan.fits:
+                found.append(
+                    f"--training.accumulate {micro.accumulate} (the same global batch, {micro.batch_per_rank} per GPU "
+                    f"at a time; about {plan.total_gib:.1f} GiB)"
+                )
+                break
         smaller = dataclasses.replace(shape, batch_per_rank=1)
         plan = plan_memory(counts, smaller, settings, budget_gib=budget_gib)
         if plan.fits:
-            found.append(f"--training.batch_size {settings.world_size} (1 per GPU; about {plan.total_gib:.1f} GiB)")
+            batch = settings.world_size * shape.accumulate
+            found.append(f"--training.batch_size {batch} (1 per GPU; about {plan.total_gib:.1f} GiB)")
     return found
 
 
@@ -313,7 +334,8 @@ def plan_run(
     shape = run_shape(
         handle.arch,
         list(handle.modules),
-        batch_per_rank=config.training.batch_size // world.world_size,
+        batch_per_rank=config.training.batch_size // (world.world_size * config.training.accumulate),
+        accumulate=config.training.accumulate,
         image_tokens=(latent_h // patch) * (latent_w // patch),
         text_tokens=sample.context.shape[1],
     )

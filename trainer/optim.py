@@ -13,7 +13,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from trainer.config import OptimConfig
 from trainer.model import ParamSplit
 
-__all__ = ["build_optimizer", "build_scheduler", "optimizer_step", "strip_wrapper_prefix"]
+__all__ = ["build_optimizer", "build_scheduler", "finish_step", "optimizer_step", "strip_wrapper_prefix"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +76,20 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, *, st
 def optimizer_step(
     loss: Tensor, optimizer: torch.optim.Optimizer, scheduler: LRScheduler, *, grad_clip: float
 ) -> Tensor | None:
-    """Backpropagate `loss`, clip the optimizer's global gradient norm to `grad_clip` (0 = no clipping), step
-    the optimizer and the schedule, clear the gradients. Returns the norm before clipping (None without)."""
+    """Backpropagate `loss`, then `finish_step`: a step on one batch. Returns the norm before clipping (None
+    without)."""
     loss.backward()
+    return finish_step(optimizer, scheduler, grad_clip=grad_clip)
+
+
+def finish_step(optimizer: torch.optim.Optimizer, scheduler: LRScheduler, *, grad_clip: float) -> Tensor | None:
+    """Once the gradients of a step are in `.grad` (one backward or several micro-batches'): clip the optimizer's
+    global gradient norm to `grad_clip` (0 = no clipping), step the optimizer and the schedule, clear the
+    gradients.
+
+    Returns:
+        The gradient norm before clipping; None without clipping.
+    """
     grad_norm = None
     if grad_clip > 0:
         trainable = [p for group in optimizer.param_groups for p in group["params"]]

@@ -2,12 +2,15 @@
 
 Each `apply_*` does one thing and logs "Applied ..." once; `parallelize` places the models on the device
 and applies them as the config says. Checkpointing goes first, so DDP and FSDP2 wrap the checkpointed
-blocks. One process is a world of one and takes the same path.
+blocks. One process is a world of one and takes the same path. `gradient_sync` holds back the reduction of
+a step's gradients over ranks until its last micro-batch (`--training.accumulate`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -16,7 +19,14 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.config import TrainConfig
 from trainer.distributed import World
 
-__all__ = ["apply_activation_checkpointing", "apply_ddp", "apply_fsdp", "parallelize", "store_frozen_in"]
+__all__ = [
+    "apply_activation_checkpointing",
+    "apply_ddp",
+    "apply_fsdp",
+    "gradient_sync",
+    "parallelize",
+    "store_frozen_in",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +84,26 @@ def apply_fsdp(model: nn.Module, *, param_dtype: torch.dtype | None, name: str =
         dtype,
     )
     return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, *, enabled: bool) -> Iterator[None]:
+    """Run one micro-batch's forward and backward inside: its gradients are reduced over ranks only when
+    `enabled` (the step's last micro-batch); otherwise they add up on each rank until then.
+
+    Args:
+        model: the student as `parallelize` wrapped it (DDP: `no_sync`; FSDP2: `set_requires_gradient_sync`);
+            an unwrapped model has nothing to sync.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    if isinstance(model, DistributedDataParallel) and not enabled:
+        with model.no_sync():
+            yield
+    else:
+        yield
 
 
 def parallelize(student: nn.Module, teacher: nn.Module | None, *, config: TrainConfig, world: World) -> nn.Module:

@@ -36,7 +36,10 @@ class ParamCounts:
 @dataclass(frozen=True, slots=True)
 class RunShape:
     """What activations and FLOPs depend on: batch per rank, tokens, the model's width and depth, and
-    how many attention modules of each kind stay softmax (their cost grows with tokens squared)."""
+    how many attention modules of each kind stay softmax (their cost grows with tokens squared).
+
+    Activations follow `batch_per_rank`, the samples of one forward and backward (a micro-batch); a step's
+    FLOPs follow its `accumulate` micro-batches."""
 
     batch_per_rank: int
     image_tokens: int
@@ -46,6 +49,7 @@ class RunShape:
     image_only_blocks: int = 0
     softmax_joint: int = 0
     softmax_image_only: int = 0
+    accumulate: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +141,10 @@ def step_flops(shape: RunShape, *, trained_fraction: float, gradient_checkpointi
     4x MLP) and an image-only block 4 more on image tokens; each softmax module adds 4 * tokens^2 *
     hidden. Backward computes input gradients everywhere (one more forward) and weight gradients for the
     trained fraction; softmax attention's backward is twice its forward; checkpointing adds a forward.
-    T5 modules cost linear time like the projections, small beside them, and are left out.
+    T5 modules cost linear time like the projections, small beside them, and are left out. A step runs all
+    its micro-batches.
     """
-    h, b = shape.hidden, shape.batch_per_rank
+    h, b = shape.hidden, shape.batch_per_rank * shape.accumulate
     tokens = shape.image_tokens + shape.text_tokens
     linear = 2 * b * h * h * (12 * shape.depth * tokens + 4 * shape.image_only_blocks * shape.image_tokens)
     attention = 4 * b * h * (shape.softmax_joint * tokens**2 + shape.softmax_image_only * shape.image_tokens**2)
@@ -153,9 +158,9 @@ def transfer_step_flops(shape: RunShape) -> float:
     The softmax model's forward, every attention module softmax; then each converted module runs its own
     q, k, v and output projections again (4 hidden^2 weights per token of each stream) and backpropagates
     through the output projection to its T5 parameters (one more hidden^2). T5 itself is left out, as in
-    `step_flops`.
+    `step_flops`; a step runs all its micro-batches.
     """
-    h, b = shape.hidden, shape.batch_per_rank
+    h, b = shape.hidden, shape.batch_per_rank * shape.accumulate
     tokens = shape.image_tokens + shape.text_tokens
     forward = 2 * b * h * h * (12 * shape.depth * tokens + 4 * shape.image_only_blocks * shape.image_tokens)
     softmax = 4 * b * h * (shape.depth * tokens**2 + shape.image_only_blocks * shape.image_tokens**2)

@@ -150,10 +150,13 @@ def run(config: TrainConfig) -> RunResult:
 
 
 def _check_batch_split(config: TrainConfig, world: World) -> None:
-    if config.training.batch_size % world.world_size:
+    """Each process runs the same number of samples in each micro-batch."""
+    batch, accumulate = config.training.batch_size, config.training.accumulate
+    if batch % (world.world_size * accumulate):
         raise ValueError(
-            f"--training.batch_size {config.training.batch_size} does not split evenly over {world.world_size} "
-            "processes; use a multiple of the process count."
+            f"--training.batch_size {batch} does not split evenly over {world.world_size} process(es) x "
+            f"--training.accumulate {accumulate} micro-batches; use a --training.batch_size that is a multiple of "
+            f"{world.world_size * accumulate}, or another --training.accumulate."
         )
 
 

@@ -5,8 +5,9 @@ Until the fine-tune starts, the converted model's inherited weights are the base
 its original processors (`T5Handle.softmax`) is the softmax teacher: no copy is needed. One such forward
 per batch, without gradients, visits every converted module; a forward hook on each runs the module's
 T5 attention on the same inputs and backpropagates the MSE to the softmax output into that module's T5
-parameters alone, so memory is the softmax forward plus one module's T5 activations. Gradients are
-averaged over ranks by hand (the modules are called outside DDP) before one AdamW step.
+parameters alone, so memory is the softmax forward plus one module's T5 activations. The batch runs in
+`--training.accumulate` micro-batches, whose scaled gradients add up; they are averaged over ranks by hand
+(the modules are called outside DDP) before one AdamW step.
 
 The stage checkpoints into `<output.dir>/checkpoints/transfer` and resumes from there as the fine-tune
 does; its metrics lines in `metrics.jsonl` carry `"stage": "transfer"` and a loss per module.
@@ -35,10 +36,10 @@ from trainer.cli import config_to_toml
 from trainer.config import OptimConfig, TrainConfig
 from trainer.data import BatchPlan, Source
 from trainer.distributed import World
-from trainer.loop import load_batch
+from trainer.loop import micro_batches
 from trainer.losses import add_noise, predict_velocity, sample_sigmas, shift_sigmas
 from trainer.metrics import MetricsWriter, Progress
-from trainer.optim import build_scheduler
+from trainer.optim import build_scheduler, finish_step
 
 __all__ = [
     "STAGE",
@@ -74,8 +75,8 @@ class TransferCapture:
     attention against the softmax output the module just produced.
 
     Each hook runs the module's `T5AttnProcessor` on the module's inputs with gradients on, and adds the
-    gradient of the MSE to the softmax output to its T5 parameters' `.grad`; `losses` holds each module's
-    MSE of the last forward.
+    gradient of the MSE to the softmax output, times the recording's `scale`, to its T5 parameters' `.grad`;
+    `losses` holds each module's MSE of the last forward.
     """
 
     def __init__(self, handle: T5Handle) -> None:
@@ -83,6 +84,7 @@ class TransferCapture:
         self.handle = handle
         self.losses: dict[str, Tensor] = {}
         self._grid: tuple[int, int] | None = None
+        self._scale = 1.0
         self._hooks = []
         for name, t5 in handle.modules.items():
             module = handle.model.get_submodule(diffusers_module(name))
@@ -98,7 +100,7 @@ class TransferCapture:
             with torch.enable_grad():
                 student = processor(module, hidden, kwargs.get("encoder_hidden_states"), t5_grid=self._grid)
                 loss = F.mse_loss(_joined(student).float(), _joined(output).float())
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                grads = torch.autograd.grad(loss * self._scale, params, allow_unused=True)
             for param, grad in zip(params, grads, strict=True):
                 if grad is not None:
                     param.grad = grad if param.grad is None else param.grad + grad
@@ -107,9 +109,10 @@ class TransferCapture:
         return hook
 
     @contextlib.contextmanager
-    def recording(self, grid: tuple[int, int]) -> Iterator[dict[str, Tensor]]:
-        """Train the modules on the next forwards (of latents with this token grid) inside."""
-        self.losses, self._grid = {}, grid
+    def recording(self, grid: tuple[int, int], *, scale: float = 1.0) -> Iterator[dict[str, Tensor]]:
+        """Train the modules on the next forwards (of latents with this token grid) inside; `scale` weighs their
+        gradients (1 / micro-batches of a step, so the step's add up to the gradient of its mean)."""
+        self.losses, self._grid, self._scale = {}, grid, scale
         try:
             yield self.losses
         finally:
@@ -169,33 +172,32 @@ def transfer_step(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     step: int,
 ) -> dict[str, float]:
-    """Run transfer step `step` (0-based); returns its metrics, averaged over ranks."""
+    """Run transfer step `step` (0-based) over its micro-batches; returns its metrics, averaged over the global
+    batch."""
     sampler = functools.partial(transfer_sigmas, config=parts.config)
-    batch, noise, sigmas = load_batch(parts, step, stream=STAGE, draw_sigmas=sampler)
-    x_t = add_noise(batch.latents, noise, sigmas)
+    accumulate = parts.config.training.accumulate
     patch = parts.handle.model.config.patch_size
-    grid = (x_t.shape[-2] // patch, x_t.shape[-1] // patch)
     dtype = parts.config.training.autocast_dtype
-    autocast = torch.autocast(parts.world.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-    with torch.no_grad(), parts.handle.softmax(), capture.recording(grid) as losses, autocast:
-        predict_velocity(parts.handle.model, x_t, sigmas, context=batch.context, pooled=batch.pooled)
-    params = list(parts.handle.t5_parameters())
-    _reduce_grads(params, parts.world)
-    grad_norm = None
-    if parts.config.optim.grad_clip > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, parts.config.optim.grad_clip))
+    means: dict[str, Tensor] = {}
+    for batch, noise, sigmas in micro_batches(parts, step, stream=STAGE, draw_sigmas=sampler):
+        x_t = add_noise(batch.latents, noise, sigmas)
+        grid = (x_t.shape[-2] // patch, x_t.shape[-1] // patch)
+        autocast = torch.autocast(parts.world.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+        with torch.no_grad(), parts.handle.softmax(), capture.recording(grid, scale=1 / accumulate) as losses, autocast:
+            predict_velocity(parts.handle.model, x_t, sigmas, context=batch.context, pooled=batch.pooled)
+        for name, loss in losses.items():
+            means[name] = means.get(name, 0.0) + loss / accumulate
+    _reduce_grads(list(parts.handle.t5_parameters()), parts.world)
     lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    names = list(losses)
-    values = torch.stack([losses[name] for name in names])
+    grad_norm = finish_step(optimizer, scheduler, grad_clip=parts.config.optim.grad_clip)
+    names = list(means)
+    values = torch.stack([means[name] for name in names])
     dist.all_reduce(values)
     values = (values / parts.world.world_size).tolist()
     metrics = {"transfer/loss": sum(values) / len(values), "lr/transfer": lr}
     metrics |= {f"transfer/{name}": value for name, value in zip(names, values, strict=True)}
     if grad_norm is not None:
-        metrics["grad_norm"] = grad_norm
+        metrics["grad_norm"] = float(grad_norm)
     return metrics
 
 

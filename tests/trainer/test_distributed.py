@@ -78,10 +78,13 @@ def _losses(out: Path) -> list[float]:
         pytest.param("ddp", ["--training.gradient_checkpointing", "true"], False, id="ddp-gradient-checkpointing"),
         # Stopped by the time budget after step 1, then resumed by a second torchrun: FSDP2 checkpoints too.
         pytest.param("fsdp2", [], True, id="fsdp2-stopped-and-resumed"),
+        # Two micro-batches of 1 per process: each rank's gradients are reduced once, after the second.
+        pytest.param("ddp", ["--training.accumulate", "2"], False, id="ddp-accumulate"),
+        pytest.param("fsdp2", ["--training.accumulate", "2"], False, id="fsdp2-accumulate"),
     ],
 )
-def test_two_processes_match_one(inputs, single, mode, extra, interrupted):
-    out = inputs["root"] / mode
+def test_two_processes_match_one(inputs, single, tmp_path, mode, extra, interrupted):
+    out = tmp_path / mode
     flags = _flags(inputs, out, "--training.steps", "4", "--parallel.mode", mode, *extra)
     if interrupted:
         _torchrun([*flags, "--training.max_minutes", "1e-6"])

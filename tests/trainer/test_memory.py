@@ -53,6 +53,23 @@ def test_fits_and_suggestions():
     assert plan_memory(COUNTS, SHAPE, BASE, budget_gib=200.0).fits
 
 
+@pytest.mark.parametrize(
+    ("budget", "offered"),
+    [
+        pytest.param(30.0, "--training.accumulate 4 (the same global batch, 2 per GPU at a time; about 29.4", id="2"),
+        pytest.param(25.0, "--training.accumulate 8 (the same global batch, 1 per GPU at a time; about 22.2", id="1"),
+    ],
+)
+def test_more_micro_batches_are_offered_before_a_smaller_batch(budget, offered):
+    """The largest micro-batch that fits, with the accumulation that keeps the global batch (4 GPUs x 2 micro-batches
+    x 4 = 32); the smaller batch comes after it, split as the run's accumulation needs."""
+    shape = dataclasses.replace(SHAPE, accumulate=2)
+    assert not plan_memory(COUNTS, shape, NO_CKPT, budget_gib=budget).fits
+    fixes = [fix for fix in suggest(COUNTS, shape, NO_CKPT, budget_gib=budget) if "--training.gradient" not in fix]
+    assert fixes[0].startswith(offered)
+    assert fixes[1].startswith("--training.batch_size 8 (1 per GPU; about 22.2 GiB)")
+
+
 def test_loading_the_fp32_model_is_a_peak_of_its_own():
     plan = plan_memory(COUNTS, SHAPE, BASE, runtime_margin_gib=0.0)
     weights = (COUNTS.trained + COUNTS.frozen + COUNTS.buffers) * 4 / GIB

@@ -45,7 +45,8 @@ def _plan(config: TrainConfig, model: str, gpu_name: str, world_size: int) -> Me
     shape = run_shape(
         handle.arch,
         list(handle.modules),
-        batch_per_rank=config.training.batch_size // world_size,
+        batch_per_rank=config.training.batch_size // (world_size * config.training.accumulate),
+        accumulate=config.training.accumulate,
         image_tokens=(width // PIXELS_PER_TOKEN) * (height // PIXELS_PER_TOKEN),
         text_tokens=TEXT_TOKENS,
     )
@@ -78,6 +79,13 @@ def test_recipe_fits_its_gpu_and_states_its_plan(recipe, model, gpu, world_size)
     assert _stated(recipe, r"about ([\d.]+) h") == pytest.approx(plan.time.hours, rel=0.1)
 
 
+@pytest.mark.parametrize("recipe", ["sd35_medium_24gb.toml", "sd35_medium_full_linear_24gb.toml"])
+def test_24gb_recipes_train_the_papers_batch_two_samples_at_a_time(recipe):
+    config = _load(recipe)
+    assert config.training.batch_size == 16 and config.training.batch_size // config.training.accumulate == 2
+    assert config.optim.lr == 1e-4 and config.data.shard_size == 8
+
+
 def test_every_recipe_file_is_checked():
     checked = {param.values[0] for param in CASES} | {"toy_all_hybrid.toml"}  # the toy's: test_config.py
     assert {path.name for path in RECIPES.glob("*.toml")} == checked
@@ -95,7 +103,11 @@ def test_a_run_too_big_for_its_gpu_names_flags_that_fit():
     with pytest.raises(RuntimeError, match="needs about") as caught:
         _plan(config, "sd3.5_medium", "RTX 4090", 1)
     fixes = str(caught.value).split("Try: ")[1]
-    assert "--training.batch_size 1 (1 per GPU; about" in fixes
-    config = _load("sd35_medium_24gb.toml", "--training.batch_size", "4", "--training.gradient_checkpointing", "false")
+    # Accumulation keeps the recipe's global batch of 16, so it comes before the smaller batch.
+    assert fixes.index("--training.accumulate 16 (the same global batch, 1 per GPU at a time; about") < fixes.index(
+        "--training.batch_size 1 (1 per GPU; about"
+    )
+    flags = ("--training.batch_size", "4", "--training.accumulate", "1", "--training.gradient_checkpointing", "false")
+    config = _load("sd35_medium_24gb.toml", *flags)
     with pytest.raises(RuntimeError, match="--training.gradient_checkpointing true"):
         _plan(config, "sd3.5_medium", "RTX 4090", 1)

@@ -100,6 +100,10 @@ def test_step_flops_follow_the_settings():
     )
     half = dataclasses.replace(shape, batch_per_rank=1)
     assert step_flops(half, trained_fraction=0.0, gradient_checkpointing=False) == pytest.approx(plain / 2)
+    # a step of two micro-batches of 1 computes the samples of one batch of 2, in the transfer too
+    micro = dataclasses.replace(half, accumulate=2)
+    assert step_flops(micro, trained_fraction=0.0, gradient_checkpointing=False) == pytest.approx(plain)
+    assert transfer_step_flops(micro) == pytest.approx(transfer_step_flops(shape))
 
 
 def test_hours_are_steps_at_the_assumed_share_of_the_peak_until_max_minutes():

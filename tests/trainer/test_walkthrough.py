@@ -25,7 +25,8 @@ def tiny_flags(configs: Path, output: Path) -> list[str]:
     return [
         "--model.config", str(configs), "--data.resolution", "32", "--data.buckets", "1:1",
         "--data.generate_steps", "1", "--data.max_sequence_length", "8", "--data.prompt_limit", "2",
-        "--data.shard_size", "2", "--training.batch_size", "2", "--training.steps", "1", "--training.precision",
+        "--data.shard_size", "2", "--training.batch_size", "2", "--training.accumulate", "2", "--training.steps", "1",
+        "--training.precision",
         "fp32", "--training.gradient_checkpointing", "false", "--checkpoint.every", "0", "--output.dir", str(output),
         "--output.progress", "false",
     ]  # fmt: skip
