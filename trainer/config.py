@@ -70,15 +70,16 @@ class ModelConfig:
     """A ComfyUI folder (the one holding `models/` and `comfy/`) to take a single-file base from: the
     checkpoint from `models/checkpoints/` (`--model.base` left at `toy` means `sd3.5_medium.safetensors`,
     the shipped workflows' name), text encoders the checkpoint does not bundle from `models/text_encoders/`
-    by the workflows' names (`clip_l`, `clip_g`, `t5xxl_fp16` or else `t5xxl_fp8_e4m3fn`), and the CLIP and
-    T5 tokenizers from `comfy/`."""
+    by the workflows' names (`clip_l`, `clip_g`, `t5xxl_fp16`, else `t5xxl_fp8_e4m3fn`, else
+    `t5xxl_fp8_e4m3fn_scaled`), and the CLIP and T5 tokenizers from `comfy/`."""
     clip_l: str = ""
     """CLIP-L text encoder file for a single-file base (empty = bundled in the checkpoint, or found through
     `--model.comfyui`); with `--model.comfyui`, a bare name is a file in its `models/text_encoders/`."""
     clip_g: str = ""
     """CLIP-G text encoder file, as `--model.clip_l`."""
     t5xxl: str = ""
-    """T5-XXL text encoder file, as `--model.clip_l`; fp8 files (`t5xxl_fp8_e4m3fn`) are upcast."""
+    """T5-XXL text encoder file, as `--model.clip_l`; fp8 files (`t5xxl_fp8_e4m3fn`) are upcast and scaled-fp8
+    ones (`t5xxl_fp8_e4m3fn_scaled`) dequantized with their scales."""
     revision: str = ""
     """For a Hub repo id: the branch, tag or commit to use (empty = `main`)."""
     layers: str = "paper"

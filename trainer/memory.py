@@ -4,19 +4,19 @@ The memory estimate adds up, per rank: trained weights with their fp32 master co
 AdamW moments (16 bytes per parameter; divided by the world size under FSDP2), frozen weights (bf16
 under bf16 precision with DDP, sharded fp32 under FSDP2), buffers, the optional frozen teacher, the
 unsharded blocks FSDP2 holds while computing, activations or, when larger, the AdamW step's scratch,
-and a fixed runtime margin. Loading is a second peak: the trainer moves the fp32 model to the device
-before it casts or shards, so the plan is the larger of the two. The SD3.5 Medium figures were checked
-against a measured CPU training step (benchmarks/bench_memory_plan.py; within 2% at 256 px).
-`check_plan` adds the run's time estimate (`trainer.time_estimate`, which also defines the
-`ParamCounts` and `RunShape` both estimates read; `count_parameters` and `run_shape` make them);
-`plan_run` is the trainer's step.
+and a fixed runtime margin. Loading is a second peak, below training's: frozen weights are cast before
+they move (DDP) and FSDP2 moves one block at a time and shards it. The SD3.5 Medium figures were checked
+against a measured CPU training step (benchmarks/bench_memory_plan.py). `plan_training` adds the run's
+time estimate (`trainer.time_estimate`, which also defines the `ParamCounts` and `RunShape` both
+estimates read; `count_parameters` and `run_shape` make them); `check_plan` refuses a plan over the
+budget, and `plan_run` is the trainer's step once the model is built. The phases before training
+(loading, data preparation, the attention transfer) are planned together in `trainer.run_plan`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -40,6 +40,9 @@ __all__ = [
     "PlanSettings",
     "check_plan",
     "count_parameters",
+    "device_budget",
+    "plan_training",
+    "training_fixes",
     "plan_memory",
     "plan_run",
     "run_shape",
@@ -63,9 +66,9 @@ modulated inputs, q, k, v, attention output and its projection (7), the residual
 image-only attn2 branch (5), the MLP input, its 4x hidden GELU pre- and post-activation (1 + 8) and
 output (1). Rounded to 24; the T5 inner state (H x D x D per sample) is negligible beside it."""
 ADAMW_SCRATCH_BYTES = 4
-"""Per trained parameter: the temporary tensor list of the foreach AdamW step (measured on CPU: 0.8 GiB
-beyond weights, gradients and moments for SD3.5 Medium's 218M attention parameters). It exists after
-backward, when the activations are gone, so the plan counts whichever of the two is larger."""
+"""Per trained parameter: the temporary tensor list of the foreach AdamW step, beyond weights, gradients and
+moments. It exists after backward, when the activations are gone, so the plan counts whichever of the two is
+larger."""
 FSDP_PREFETCH_BLOCKS = 2
 """FSDP2 holds the block being computed plus the next one being gathered."""
 RUNTIME_MARGIN_GIB = 2.0
@@ -204,8 +207,12 @@ def plan_memory(
     scratch = counts.trained * ADAMW_SCRATCH_BYTES / shards
     components["AdamW step scratch beyond activations"] = max(scratch - activations, 0) / GIB
     components["runtime margin"] = runtime_margin_gib
-    # The trainer moves the whole fp32 student (and the teacher) to the device before casting or sharding.
-    load = ((counts.trained + counts.frozen + counts.buffers) * 4 + teacher_params * low) / GIB + runtime_margin_gib
+    # Loading casts frozen weights before they move (DDP) or moves one block at a time and shards it (FSDP2).
+    if mode == "fsdp2":
+        weights = (counts.trained + counts.frozen) * 4 / shards + counts.largest_block * 4
+    else:
+        weights = counts.trained * 4 + counts.frozen * low
+    load = (weights + counts.buffers * 4 + teacher_params * low / shards) / GIB + runtime_margin_gib
     return MemoryPlan(components, budget_gib, load_gib=load)
 
 
@@ -251,7 +258,7 @@ def suggest(counts: ParamCounts, shape: RunShape, settings: PlanSettings, *, bud
     return found
 
 
-def check_plan(
+def plan_training(
     config: TrainConfig,
     counts: ParamCounts,
     shape: RunShape,
@@ -260,8 +267,8 @@ def check_plan(
     budget_gib: float | None,
     device_name: str | None,
     teacher_params: int = 0,
-) -> MemoryPlan:
-    """Plan memory and time of a run as `config` says, and refuse one that does not fit.
+) -> tuple[MemoryPlan, PlanSettings]:
+    """The memory and time plan of the training steps as `config` says, and the settings it was made with.
 
     Args:
         config (`TrainConfig`): the run's settings (precision, checkpointing, parallel mode, steps).
@@ -269,9 +276,6 @@ def check_plan(
         world_size (`int`): processes. budget_gib (`float`, *optional*): memory per GPU; None = no check
             and no runtime margin (a CPU run). device_name (`str`, *optional*): the GPU, for the time estimate.
         teacher_params (`int`, *optional*): parameters of the frozen teacher.
-
-    Raises:
-        PlanDoesNotFit: the plan does not fit; the message lists flag changes that would, or says that none does.
     """
     training = config.training
     settings = PlanSettings(
@@ -298,21 +302,38 @@ def check_plan(
             transfer_steps=config.transfer.steps,
         )
         plan = dataclasses.replace(plan, time=time)
+    return plan, settings
+
+
+def training_fixes(counts: ParamCounts, shape: RunShape, settings: PlanSettings, *, budget_gib: float) -> str:
+    """What to try when the training steps do not fit: `suggest`'s flags, or training fewer weights."""
+    fixes = suggest(counts, shape, settings, budget_gib=budget_gib)
+    return "; ".join(fixes) if fixes else "train fewer weights (--model.trainable t5)"
+
+
+def check_plan(plan: MemoryPlan, settings: PlanSettings, counts: ParamCounts, shape: RunShape) -> MemoryPlan:
+    """`plan` (from `plan_training`), refused when it does not fit its budget.
+
+    Raises:
+        PlanDoesNotFit: the plan does not fit; the message lists flag changes that would, or says that none does.
+    """
     if plan.fits:
         return plan
-    if plan.load_gib > budget_gib:
-        hint = (
-            f"no flag lowers loading, which needs {plan.load_gib:.1f} GiB: the trainer moves the fp32 model to "
-            f"the GPU before it casts frozen weights to bf16 or shards them (training alone would need "
-            f"{sum(plan.components.values()):.1f} GiB). Use a GPU with at least {math.ceil(plan.load_gib)} GiB"
-        )
-    else:
-        fixes = suggest(counts, shape, settings, budget_gib=budget_gib)
-        hint = "; ".join(fixes) if fixes else "train fewer weights (--model.trainable t5)"
+    budget = plan.budget_gib
     raise PlanDoesNotFit(
-        f"the run needs about {plan.total_gib:.1f} GiB per GPU but has {budget_gib:.1f} GiB ({plan.summary()}). "
-        f"Try: {hint}."
+        f"the run needs about {plan.total_gib:.1f} GiB per GPU but has {budget:.1f} GiB ({plan.summary()}). "
+        f"Try: {training_fixes(counts, shape, settings, budget_gib=budget)}."
     )
+
+
+def device_budget(config: TrainConfig, world: World) -> tuple[float | None, str | None]:
+    """The memory per GPU to plan for (`--parallel.gpu_memory_gib`, else the device's own; None on CPU) and
+    the GPU's name (None on CPU)."""
+    budget = config.parallel.gpu_memory_gib or None
+    device_name = torch.cuda.get_device_name(world.device) if world.device.type == "cuda" else None
+    if budget is None and device_name is not None:
+        budget = torch.cuda.get_device_properties(world.device).total_memory / GIB
+    return budget, device_name
 
 
 def plan_run(
@@ -325,8 +346,9 @@ def plan_run(
     world: World,
     teacher: nn.Module | None,
 ) -> MemoryPlan:
-    """`check_plan` for a built run: its largest bucket that trains (holds a full batch), batch per rank and
-    teacher, against `--parallel.gpu_memory_gib` or else this machine's GPU (a CPU run has no budget to check)."""
+    """`plan_training` and `check_plan` for a built run: its largest bucket that trains (holds a full batch),
+    batch per rank and teacher, against `--parallel.gpu_memory_gib` or else this machine's GPU (a CPU run has no
+    budget to check)."""
     patch = handle.model.config.patch_size
     trained = [hw for hw, indices in plan.buckets.items() if len(indices) >= plan.batch_size]  # the others never train
     latent_h, latent_w = max(trained, key=lambda hw: hw[0] * hw[1])
@@ -339,18 +361,17 @@ def plan_run(
         image_tokens=(latent_h // patch) * (latent_w // patch),
         text_tokens=sample.context.shape[1],
     )
-    budget = config.parallel.gpu_memory_gib or None
-    device_name = torch.cuda.get_device_name(world.device) if world.device.type == "cuda" else None
-    if budget is None and device_name is not None:
-        budget = torch.cuda.get_device_properties(world.device).total_memory / GIB
-    memory = check_plan(
+    budget, device_name = device_budget(config, world)
+    counts = count_parameters(handle, split)
+    plan, settings = plan_training(
         config,
-        count_parameters(handle, split),
+        counts,
         shape,
         world_size=world.world_size,
         budget_gib=budget,
         device_name=device_name,
         teacher_params=sum(p.numel() for p in teacher.parameters()) if teacher is not None else 0,
     )
+    memory = check_plan(plan, settings, counts, shape)
     logger.info("Memory plan: %s", memory.summary())
     return memory

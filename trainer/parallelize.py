@@ -60,7 +60,8 @@ def apply_ddp(model: nn.Module, world: World) -> DistributedDataParallel:
 
 
 def apply_fsdp(model: nn.Module, *, param_dtype: torch.dtype | None, name: str = "model") -> nn.Module:
-    """Shard each transformer block, then the root, with FSDP2's `fully_shard`.
+    """Shard each transformer block, then the root, with FSDP2's `fully_shard`, which moves each one's weights
+    to the device as it shards them.
 
     Args:
         model: a diffusers SD3 transformer (student or frozen teacher).
@@ -107,17 +108,22 @@ def gradient_sync(model: nn.Module, *, enabled: bool) -> Iterator[None]:
 
 
 def parallelize(student: nn.Module, teacher: nn.Module | None, *, config: TrainConfig, world: World) -> nn.Module:
-    """Move the student (training mode) and the teacher to the device; wrap them as `--training` and `--parallel`
-    say (checkpointing, then DDP with frozen weights in bf16 under bf16, or FSDP2). Returns the wrapped student."""
-    student.to(world.device).train()
-    if teacher is not None:
-        teacher.to(world.device)
+    """Put the student (training mode) and the teacher on the device, wrapped as `--training` and `--parallel` say
+    (checkpointing, then DDP or FSDP2); returns the wrapped student.
+
+    Frozen weights never reach the device in fp32 when they will not stay so: DDP under bf16 casts them on the
+    host before the move, and FSDP2 moves each block to the device as it shards it.
+    """
+    student.train()
     if config.training.gradient_checkpointing:
         apply_activation_checkpointing(student)
     bf16 = config.training.autocast_dtype
     if config.parallel.mode == "ddp":
         if bf16 is not None:
             store_frozen_in(student, bf16)
+        student.to(world.device)
+        if teacher is not None:
+            teacher.to(world.device)
         return apply_ddp(student, world)
     model = apply_fsdp(student, param_dtype=bf16)
     if teacher is not None:

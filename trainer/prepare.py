@@ -49,7 +49,10 @@ __all__ = [
     "check_inputs",
     "frozen_copy",
     "needs_preparation",
+    "encode_text",
+    "load_encoding_pipeline",
     "prepare_data",
+    "read_prompts",
     "release_device_memory",
 ]
 
@@ -93,7 +96,7 @@ def _pipeline_dtype(world: World) -> torch.dtype:
     return torch.bfloat16 if world.device.type == "cuda" else torch.float32
 
 
-def _load_pipeline(files: Path | PipelineFiles, transformer: nn.Module, world: World):
+def load_encoding_pipeline(files: Path | PipelineFiles, transformer: nn.Module, world: World):
     """The SD3 pipeline for encoding: its text encoders and VAE on the device in the pipeline's dtype, and the
     base `transformer` left on the host, where only its config is read (generation brings its own copy): a
     diffusers folder (components it leaves out stay None) or the parts of a single-file checkpoint."""
@@ -142,7 +145,7 @@ def release_device_memory(world: World) -> None:
         torch.cuda.empty_cache()
 
 
-def _encode_text(pipe, captions: list[str], data: DataConfig) -> tuple[Tensor, Tensor]:
+def encode_text(pipe, captions: list[str], data: DataConfig) -> tuple[Tensor, Tensor]:
     """`(context, pooled)` of `captions`, computed on the text encoders' device."""
     context, _, pooled, _ = pipe.encode_prompt(
         prompt=captions,
@@ -216,7 +219,7 @@ def _progress(
 
 def _uncond(pipe, data: DataConfig) -> Batch:
     """The empty caption's features: the cache's unconditional input and the generation's negative."""
-    context, pooled = _encode_text(pipe, [""], data)
+    context, pooled = encode_text(pipe, [""], data)
     return _on_cpu(torch.zeros(1, 1), context, pooled)
 
 
@@ -325,7 +328,7 @@ def _encode_images(
         chunks = torch.stack(pixels).split(vae_batch or len(pixels))
         encoded = torch.cat([vae.encode(chunk.to(world.device, vae.dtype)).latent_dist.mean for chunk in chunks])
         latents = (encoded - shift) * scale
-        context, pooled = _encode_text(pipe, captions, data)
+        context, pooled = encode_text(pipe, captions, data)
     return _on_cpu(latents, context, pooled), failed
 
 
@@ -342,13 +345,18 @@ def _image_inputs(data: DataConfig, world: World, vae_batch: int) -> _Inputs:
     return _Inputs(kind="images", items=lambda sizes: _scan_images(folder, files, sizes), write=write)
 
 
-def _read_prompts(path: Path) -> list[str]:
+def read_prompts(path: Path, *, flag: str = "--data.path") -> list[str]:
+    """The prompts of a text file, one a line (blank lines and lines starting with # are skipped).
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: no prompts in it (both name `flag`, the setting that gave it).
+    """
     if not path.is_file():
-        raise FileNotFoundError(f"prompts file {path} does not exist; check --data.path.")
+        raise FileNotFoundError(f"prompts file {path} does not exist; check {flag}.")
     prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
     prompts = [line for line in prompts if line and not line.startswith("#")]
     if not prompts:
-        raise ValueError(f"prompts file {path} has no prompts; write one prompt a line (# starts a comment).")
+        raise ValueError(f"prompts file {path} ({flag}) has no prompts; write one prompt a line (# starts a comment).")
     return prompts
 
 
@@ -366,7 +374,7 @@ def _embed_prompts(pipe, pending: list[_Pending], cache_dir: Path, data: DataCon
     folder.mkdir(exist_ok=True)
     for index, _, shard in pending:
         if not (folder / shard_name(index)).is_file():
-            context, pooled = _encode_text(pipe, [item.caption for item in shard], data)
+            context, pooled = encode_text(pipe, [item.caption for item in shard], data)
             features = {"context": context.contiguous(), "pooled": pooled.contiguous()}
             write_atomic(folder / shard_name(index), lambda temp, features=features: save_file(features, temp))
 
@@ -405,7 +413,7 @@ def _prompt_inputs(data: DataConfig, world: World, transformer: nn.Module) -> _I
     the cache does not depend on the world size or on interruptions. Two phases: the text encoders embed
     every pending prompt, leave the device, and then a frozen copy of the transformer in the pipeline's
     dtype generates."""
-    prompts = _read_prompts(Path(data.path)) if data.path else default_prompts()
+    prompts = read_prompts(Path(data.path)) if data.path else default_prompts()
     prompts = prompts[: data.prompt_limit or None]
 
     def write(pipe, pending: list[_Pending], cache_dir: Path, uncond: Batch, bar: tqdm) -> None:
@@ -448,7 +456,7 @@ def check_inputs(data: DataConfig) -> None:
     if data.source == "images":
         _list_images(Path(data.path))
     elif data.path:
-        _read_prompts(Path(data.path))
+        read_prompts(Path(data.path))
 
 
 @torch.no_grad()
@@ -492,7 +500,7 @@ def prepare_data(
         inputs = _image_inputs(data, world, vae_batch)
     else:
         inputs = _prompt_inputs(data, world, transformer)
-    pipe = _load_pipeline(pipeline, transformer, world)
+    pipe = load_encoding_pipeline(pipeline, transformer, world)
     multiple = pipe.vae_scale_factor * transformer.config.patch_size
     sizes = bucket_sizes(data.buckets, data.resolution or DEFAULT_RESOLUTION, multiple)
     items, skipped = inputs.items(sizes)

@@ -15,8 +15,8 @@ A run passes through phases, each with its own peak of memory per GPU:
 `plan_whole_run` reads the base's transformer config (a folder's config.json, or the shipped config a
 single file matches), builds the converted model on the meta device to count its parameters, and reads the
 text encoders' and the VAE's configs; `RunPlan.check` refuses a run with a phase over the budget, naming
-the flags that would fit. The activation constants were measured on CPU at SD3.5 Medium's scale
-(`benchmarks/bench_memory_plan.py`).
+the flags that would fit. The activation constants are fitted to peaks measured at SD3.5 Medium's scale by
+`benchmarks/bench_memory_plan.py` (its table is in benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EncoderCounts",
+    "VAE_DECODE_LIVE_WIDTHS",
+    "VAE_LIVE_WIDTHS",
     "RunPlan",
     "encoder_counts",
     "generation_gib",
@@ -64,21 +66,22 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-VAE_LIVE_WIDTHS = 4
+VAE_LIVE_WIDTHS = 6
 """Tensors of the VAE encoder's first width (128 channels for SD3's) per pixel alive at its peak: a resnet's
-input, its normalised and convolved branch and the residual sum at full resolution."""
-TEXT_LIVE_WIDTHS = 3
-"""Per token, tensors of a text encoder's feed-forward width alive at its peak (T5's gated GELU keeps both
-input projections and their product)."""
-TEXT_SCORE_COPIES = 3
-"""Per head and token pair, attention score tensors alive at once (T5 adds its position bias, then softmax)."""
-GENERATION_LIVE_WIDTHS = 12
+input, its normalised, activated and convolved branches and the residual sum at full resolution."""
+VAE_DECODE_LIVE_WIDTHS = 9
+"""The same for the VAE decoder on one image (its larger stages run at full resolution)."""
+TEXT_LIVE_WIDTHS = 4
+"""Per token, tensors of a text encoder's feed-forward width alive at its peak (T5's gated GELU keeps both input
+projections, their product and the output)."""
+GENERATION_LIVE_WIDTHS = 20
 """Per token, tensors of the transformer's width alive in a no-grad forward: the block's input, the adaLN-
-modulated stream, q, k, v and the MLP's 4x hidden before and after its activation."""
+modulated streams, q, k, v, the MLP's 4x hidden and its GELU's temporaries."""
 CLIP_TOKENS = 77
 """SD3's CLIP context, before the T5 tokens (`--data.max_sequence_length`)."""
-PIPELINE_BYTES = {"cuda": 2, "cpu": 4}
-"""Bytes per weight and activation of the preparation pipeline: bf16 on a GPU, fp32 on CPU."""
+GPU_PIPELINE_BYTES, CPU_PIPELINE_BYTES = 2, 4
+"""Bytes per weight and activation of the preparation pipeline: bf16 on a GPU (a run planned against a GPU
+budget), fp32 on CPU."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +92,8 @@ class EncoderCounts:
         text_params: parameters of the text encoders together (all three sit on the device at once).
         text_tokens: tokens per caption of each encoder. text_widths: each encoder's feed-forward width.
         text_heads: each encoder's attention heads.
+        text_kept: values per token each encoder keeps for the pipeline (CLIP's hidden states of every layer, which
+            SD3 reads its penultimate one from; none for T5).
         vae_params: parameters of the VAE (encoder and decoder load together).
         vae_width: channels of the VAE encoder's first (full-resolution) stage.
         vae_factor: pixels per latent along each side.
@@ -98,6 +103,7 @@ class EncoderCounts:
     text_tokens: tuple[int, ...]
     text_widths: tuple[int, ...]
     text_heads: tuple[int, ...]
+    text_kept: tuple[int, ...]
     vae_params: int
     vae_width: int
     vae_factor: int
@@ -107,15 +113,20 @@ def text_activations_gib(counts: EncoderCounts, captions: int, *, dtype_bytes: i
     """The activations of `captions` captions in one call of the text encoder with the largest ones (the
     encoders run one after another)."""
     per_caption = max(
-        tokens * TEXT_LIVE_WIDTHS * width + heads * tokens**2 * TEXT_SCORE_COPIES
-        for tokens, width, heads in zip(counts.text_tokens, counts.text_widths, counts.text_heads, strict=True)
+        tokens * (TEXT_LIVE_WIDTHS * width + kept) + heads * tokens**2  # T5's position bias: one score per head
+        for tokens, width, heads, kept in zip(
+            counts.text_tokens, counts.text_widths, counts.text_heads, counts.text_kept, strict=True
+        )
     )
     return captions * per_caption * dtype_bytes / GIB
 
 
-def vae_activations_gib(counts: EncoderCounts, images: int, pixels: int, *, dtype_bytes: int) -> float:
-    """The VAE's activations while it encodes `images` images of `pixels` pixels in one call."""
-    return images * pixels * counts.vae_width * VAE_LIVE_WIDTHS * dtype_bytes / GIB
+def vae_activations_gib(
+    counts: EncoderCounts, images: int, pixels: int, *, dtype_bytes: int, widths: int = VAE_LIVE_WIDTHS
+) -> float:
+    """The VAE's activations while it encodes (or, with `widths=VAE_DECODE_LIVE_WIDTHS`, decodes) `images` images
+    of `pixels` pixels in one call."""
+    return images * pixels * counts.vae_width * widths * dtype_bytes / GIB
 
 
 def generation_gib(counts: ParamCounts, shape: RunShape, *, dtype_bytes: int) -> float:
@@ -213,7 +224,7 @@ def encoder_counts(files: PipelineFiles, *, max_sequence_length: int) -> Encoder
     from transformers import AutoConfig, CLIPTextModelWithProjection, T5EncoderModel
 
     folder = _parts_folder(files)
-    params, tokens, widths, heads = 0, [], [], []
+    params, tokens, widths, heads, kept = 0, [], [], [], []
     for sub in ("text_encoder", "text_encoder_2", "text_encoder_3"):
         if not (folder / sub / "config.json").is_file():
             continue
@@ -225,6 +236,7 @@ def encoder_counts(files: PipelineFiles, *, max_sequence_length: int) -> Encoder
         tokens.append(max_sequence_length if is_t5 else part.max_position_embeddings)
         widths.append(part.d_ff if is_t5 else part.intermediate_size)
         heads.append(part.num_heads if is_t5 else part.num_attention_heads)
+        kept.append(0 if is_t5 else (part.num_hidden_layers + 1) * part.hidden_size)
     if not (folder / "vae" / "config.json").is_file():
         raise FileNotFoundError(
             f"{folder} has no vae/config.json: preparing data needs the pipeline's VAE. Give a full SD3 pipeline "
@@ -238,6 +250,7 @@ def encoder_counts(files: PipelineFiles, *, max_sequence_length: int) -> Encoder
         text_tokens=tuple(tokens),
         text_widths=tuple(widths),
         text_heads=tuple(heads),
+        text_kept=tuple(kept),
         vae_params=sum(p.numel() for p in vae.parameters()),
         vae_width=vae_config["block_out_channels"][0],
         vae_factor=2 ** (len(vae_config["block_out_channels"]) - 1),
@@ -285,7 +298,7 @@ def _preparation(
 ) -> int:  # fmt: skip
     """Add the preparation phases to `phases`; returns the VAE's images a call (0: a whole shard, no budget)."""
     data = config.data
-    size = PIPELINE_BYTES.get(world.device.type, 2)
+    size = GPU_PIPELINE_BYTES if budget is not None else CPU_PIPELINE_BYTES
     margin = RUNTIME_MARGIN_GIB if budget is not None else 0.0
     resident = (encoders.text_params + encoders.vae_params) * size / GIB + margin
     text = resident + text_activations_gib(encoders, data.shard_size, dtype_bytes=size)
@@ -312,13 +325,48 @@ _STEP_ONLY = ("activations", "AdamW step scratch beyond activations")
 """Training components the attention transfer does not have."""
 
 
+def _steady_gib(plan: MemoryPlan) -> float:
+    """What training holds on the device between steps: weights, optimizer state, buffers, teacher, margin."""
+    return sum(gib for name, gib in plan.components.items() if name not in _STEP_ONLY)
+
+
 def _transfer_gib(plan: MemoryPlan, shape: RunShape, settings: PlanSettings) -> float:
     """The attention transfer: the student's weights as training holds them, one block's no-grad softmax forward
     and one converted module's T5 activations (bounded by a training block's)."""
     low = 2 if settings.precision == "bf16" else 4
-    weights = sum(gib for name, gib in plan.components.items() if name not in _STEP_ONLY)
     tokens = shape.batch_per_rank * (shape.image_tokens + shape.text_tokens)
-    return weights + (GENERATION_LIVE_WIDTHS + BLOCK_ACTIVATION_WIDTHS) * tokens * shape.hidden * low / GIB
+    return _steady_gib(plan) + (GENERATION_LIVE_WIDTHS + BLOCK_ACTIVATION_WIDTHS) * tokens * shape.hidden * low / GIB
+
+
+def _validation(
+    config: TrainConfig, phases: _Phases, *, plan: MemoryPlan, shape: RunShape, encoders: EncoderCounts,
+    budget: float | None, pixels: int,
+) -> None:  # fmt: skip
+    """Add validation's phases (`--validation.enabled`): embedding its prompts before training, and sampling and
+    decoding them while training's weights and optimizer state stay on the device."""
+    from trainer.prepare import read_prompts
+    from trainer.validation import DECODE_BATCH, DEFAULT_PROMPTS, SAMPLE_BATCH
+
+    settings = config.validation
+    prompts = len(read_prompts(Path(settings.prompts), flag="--validation.prompts")) if settings.prompts else None
+    prompts = prompts or DEFAULT_PROMPTS
+    size = GPU_PIPELINE_BYTES if budget is not None else CPU_PIPELINE_BYTES
+    margin = RUNTIME_MARGIN_GIB if budget is not None else 0.0
+    off = "turn validation off (--validation.enabled false)"
+    resident = (encoders.text_params + encoders.vae_params) * size / GIB + margin
+    embedding = resident + text_activations_gib(encoders, prompts + 1, dtype_bytes=size)
+    phases.add("validation: embedding prompts", embedding, note=f"{prompts} prompts and the empty one", hint=off)
+    low = 2 if config.training.precision == "bf16" else 4
+    autocast_copies = plan.components["trained weights+grads+AdamW"] / 16 * 2 if low == 2 else 0.0
+    samples = (2 if settings.guidance_scale > 1 else 1) * min(SAMPLE_BATCH, prompts)
+    sampling = dataclasses.replace(shape, batch_per_rank=samples)
+    tokens = samples * (sampling.image_tokens + sampling.text_tokens)
+    forward = tokens * shape.hidden * GENERATION_LIVE_WIDTHS * low / GIB + autocast_copies
+    decode = encoders.vae_params * 4 / GIB + vae_activations_gib(
+        encoders, DECODE_BATCH, pixels, dtype_bytes=4, widths=VAE_DECODE_LIVE_WIDTHS
+    )
+    note = f"{samples} samples a call, then the fp32 VAE decodes {DECODE_BATCH} a call, beside the training state"
+    phases.add("validation: samples", _steady_gib(plan) + max(forward, decode), note=note, hint=off)
 
 
 def plan_whole_run(config: TrainConfig, world: World) -> RunPlan | None:
@@ -326,26 +374,28 @@ def plan_whole_run(config: TrainConfig, world: World) -> RunPlan | None:
     whose small model is planned once built).
 
     Raises:
-        FileNotFoundError / ValueError: as `trainer.model.load_base`, for a base that is missing or not SD3.
+        FileNotFoundError / ValueError: as `trainer.model.load_base`, for a base that is missing or not SD3, and
+            as `trainer.prepare.prepare_data` for missing or empty data inputs.
     """
-    from trainer.prepare import needs_preparation
     from trainer.presets import get_preset
 
     if get_preset(config.model.base) is not None:
         return None
     from trainer.model import base_files
-    from trainer.prepare import cache_dir_of, check_inputs
+    from trainer.prepare import cache_dir_of, check_inputs, needs_preparation
     from trainer.sources import find_text_parts
 
     budget, device_name = device_budget(config, world)
     transformer = base_files(config.model).read_config()
     counts, handle = _meta_counts(transformer, config)
     patch, data, training = transformer["patch_size"], config.data, config.training
-    encoders = None
-    if needs_preparation(config):
+    preparing, encoders = needs_preparation(config), None
+    if preparing or config.validation.enabled:
         files = find_text_parts(config.model, data.pipeline)
-        check_inputs(data)
+        if preparing:
+            check_inputs(data)
         encoders = encoder_counts(files, max_sequence_length=data.max_sequence_length)
+    if preparing:
         width, height = _largest_pixels(config, encoders.vae_factor * patch)
         image_tokens = (width // encoders.vae_factor // patch) * (height // encoders.vae_factor // patch)
         text_tokens = CLIP_TOKENS + data.max_sequence_length
@@ -369,10 +419,13 @@ def plan_whole_run(config: TrainConfig, world: World) -> RunPlan | None:
     phases = _Phases()
     phases.add("loading", plan.load_gib, hint=fixes)
     vae_batch = 0
-    if encoders is not None:
+    pixels = image_tokens * patch**2 * (encoders.vae_factor**2 if encoders else 0)
+    if preparing:
         vae_batch = _preparation(
-            config, world, phases, budget=budget, counts=counts, shape=shape, encoders=encoders, pixels=width * height
+            config, world, phases, budget=budget, counts=counts, shape=shape, encoders=encoders, pixels=pixels
         )
+    if config.validation.enabled:
+        _validation(config, phases, plan=plan, shape=shape, encoders=encoders, budget=budget, pixels=pixels)
     if config.transfer.steps:
         phases.add("attention transfer", _transfer_gib(plan, shape, settings), hint=fixes)
     if training.steps:

@@ -17,7 +17,7 @@ from trainer.config import TEXT_ENCODERS
 from trainer.fp8 import read_weights
 from trainer.sources import PipelineFiles, bundled_prefix
 
-__all__ = ["load_single_file_pipeline", "load_text_encoder"]
+__all__ = ["load_single_file_pipeline", "load_text_encoder", "load_vae"]
 
 _SUBFOLDERS = {"clip_l": "text_encoder", "clip_g": "text_encoder_2", "t5xxl": "text_encoder_3"}
 # Buffers and extras some exporters save that the transformers models do not hold as weights.
@@ -77,6 +77,22 @@ def _tokenizers(files: PipelineFiles):
     )
 
 
+def load_vae(files: PipelineFiles, *, dtype: torch.dtype) -> nn.Module:
+    """The base's VAE in `dtype`, on the host, in eval mode: a pipeline folder's `vae/`, or a single-file
+    checkpoint's (under `first_stage_model.*`, with the shipped config)."""
+    from diffusers import AutoencoderKL
+
+    if files.folder is not None:
+        vae = AutoencoderKL.from_pretrained(
+            str(files.folder), subfolder="vae", local_files_only=True, torch_dtype=dtype
+        )
+    else:
+        vae = AutoencoderKL.from_single_file(
+            str(files.checkpoint), config=str(files.configs), subfolder="vae", local_files_only=True, torch_dtype=dtype
+        )
+    return vae.eval()
+
+
 def load_single_file_pipeline(files: PipelineFiles, transformer: nn.Module | None, *, dtype: torch.dtype):
     """A `StableDiffusion3Pipeline` around `transformer` from a single-file checkpoint and its text encoders.
 
@@ -91,11 +107,9 @@ def load_single_file_pipeline(files: PipelineFiles, transformer: nn.Module | Non
     Returns:
         The pipeline, on CPU.
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
-    vae = AutoencoderKL.from_single_file(
-        str(files.checkpoint), config=str(files.configs), subfolder="vae", local_files_only=True, torch_dtype=dtype
-    )
+    vae = load_vae(files, dtype=dtype)
     encoders = [
         load_text_encoder(files.encoders[role], role, configs=files.configs, dtype=dtype) for role in TEXT_ENCODERS
     ]
@@ -103,7 +117,7 @@ def load_single_file_pipeline(files: PipelineFiles, transformer: nn.Module | Non
     return StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(files.configs, subfolder="scheduler"),
-        vae=vae.eval(),
+        vae=vae,
         text_encoder=encoders[0],
         tokenizer=tokenizers[0],
         text_encoder_2=encoders[1],

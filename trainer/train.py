@@ -1,7 +1,8 @@
 """`run(config)`: the whole fine-tune as one Python call, built step by step as a recipe.
 
-world -> output folder -> resume policy -> base model -> data -> teacher -> convert and split -> memory
-plan -> device and parallelism -> optimizer -> attention transfer -> resume -> loop -> export -> report and
+world -> output folder -> resume policy -> the whole run's memory plan (`trainer.run_plan`, from configs, before
+anything loads) -> base model -> data -> teacher -> convert and split -> memory plan of the built model -> device
+and parallelism -> optimizer -> attention transfer -> resume -> loop -> export -> report and
 publish. Each step
 is one call into the module that owns it; `trainer/run.py` is the CLI around `run`, and benchmarks and
 ablations call the same steps with different configs.
@@ -38,6 +39,7 @@ from trainer.model_card import check_run_card
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import parallelize
 from trainer.presets import check_config, get_preset
+from trainer.run_plan import RunPlan, plan_whole_run
 from trainer.seeds import rank_seed, seed_everything
 from trainer.sources import find_text_parts
 from trainer.transfer import STAGE, TransferParts, check_transfer_mode, resume_transfer, run_transfer
@@ -108,7 +110,7 @@ def _on_main(world: World, work: Callable[[], T]) -> T | None:
     return result
 
 
-def _build_source(config: TrainConfig, base: nn.Module, world: World, output: Path) -> Source:
+def _build_source(config: TrainConfig, base: nn.Module, world: World, *, vae_batch: int) -> Source:
     data = config.data
     preset = get_preset(config.model.base)
     if preset is not None:
@@ -117,12 +119,27 @@ def _build_source(config: TrainConfig, base: nn.Module, world: World, output: Pa
 
     if data.source == "cache":
         return CacheSource(data.path)
-    from trainer.prepare import prepare_data
+    from trainer.prepare import cache_dir_of, prepare_data
 
-    cache_dir = Path(data.cache_dir or output / "data-cache")
+    cache_dir = cache_dir_of(config)
     pipeline = find_text_parts(config.model, data.pipeline)
-    prepare_data(data, cache_dir, pipeline=pipeline, transformer=base, world=world, progress=config.output.progress)
+    prepare_data(
+        data, cache_dir, pipeline=pipeline, transformer=base, world=world, progress=config.output.progress,
+        vae_batch=vae_batch,
+    )  # fmt: skip
     return CacheSource(cache_dir)
+
+
+def _plan_whole_run(config: TrainConfig, world: World) -> RunPlan | None:
+    """Plan every phase of the run before anything heavy loads, and refuse one that does not fit (rank 0 logs it)."""
+    # Planning converts a model on the meta device; the student built later must start from the run's seed.
+    with torch.random.fork_rng(devices=[]):
+        plan = plan_whole_run(config, world)
+    if plan is not None:
+        if world.is_main:
+            logger.info("%s", plan.summary())
+        plan.check()
+    return plan
 
 
 def run(config: TrainConfig) -> RunResult:
@@ -243,10 +260,11 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     if resume is None:
         check_transfer_mode(config, transfer_resume)
     _check_batch_split(config, world)
+    whole_plan = _plan_whole_run(config, world)
 
     base = load_base(config.model)
     fingerprint = base_fingerprint(base, arch_of(base))
-    source = _build_source(config, base, world, output)
+    source = _build_source(config, base, world, vae_batch=whole_plan.vae_batch if whole_plan else 0)
     validator = build_validator(config, world, base=base, source=source, output=output)
     held_out = validator.held_out if validator else ()
     plan = BatchPlan(

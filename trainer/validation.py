@@ -40,12 +40,15 @@ from trainer.data import Batch, Source
 from trainer.distributed import World
 from trainer.losses import shift_sigmas, step_losses
 from trainer.metrics import read_metrics
+from trainer.prepare import encode_text, load_encoding_pipeline, read_prompts, release_device_memory
 from trainer.prompt_set import default_prompts
 from trainer.seeds import derived_seed
+from trainer.single_file import load_vae
 from trainer.sources import PipelineFiles, find_text_parts
 from trainer.toy.model import ToyCond, sample
 
 __all__ = [
+    "DECODE_BATCH",
     "DEFAULT_PROMPTS",
     "FOLDER",
     "GRID_HEADER",
@@ -53,6 +56,7 @@ __all__ = [
     "GRID_PAD",
     "PROMPTS_FILE",
     "REPORT_KEY",
+    "SAMPLE_BATCH",
     "PromptSet",
     "Validator",
     "build_validator",
@@ -80,10 +84,10 @@ GRID_LABEL_WIDTH = 200
 """Pixels of a grid's left column, which holds each row's prompt."""
 GRID_HEADER = 16
 """Pixels of a grid's top row, which holds each column's title."""
-_SAMPLE_BATCH = 4
+SAMPLE_BATCH = 4
 """Prompts per sampling call (twice as many rows with guidance)."""
-_DECODE_BATCH = 2
-"""Latents per VAE call."""
+DECODE_BATCH = 1
+"""Latents per VAE call: one 1024 px image decoded in fp32 holds about 3 GiB of activations."""
 _FLOW = LossConfig()
 """The held-out loss: flow matching alone, unweighted."""
 
@@ -155,16 +159,6 @@ def _sample_size(buckets: Mapping[tuple[int, int], Sequence[int]]) -> tuple[int,
     return squares[0] if squares else min(sorted(buckets), key=lambda size: size[0] * size[1])
 
 
-def _read_prompts(path: Path) -> tuple[str, ...]:
-    if not path.is_file():
-        raise FileNotFoundError(f"--validation.prompts: {path} does not exist; give a text file, one prompt a line.")
-    lines = (line.strip() for line in path.read_text(encoding="utf-8").splitlines())
-    prompts = tuple(line for line in lines if line and not line.startswith("#"))
-    if not prompts:
-        raise ValueError(f"--validation.prompts: {path} has no prompts; write one prompt a line (# starts a comment).")
-    return prompts
-
-
 @dataclass(frozen=True)
 class PromptSet:
     """The sample prompts, encoded once.
@@ -207,10 +201,8 @@ def _encode(
 ) -> tuple[Tensor, Tensor, float]:
     """`(context, pooled)` of the prompts and then of the empty caption, and the scheduler's shift; the text
     encoders are freed before returning."""
-    from trainer.prepare import _encode_text, _load_pipeline, release_device_memory
-
-    pipe = _load_pipeline(files, transformer, world)
-    context, pooled = _encode_text(pipe, [*prompts, ""], config.data)
+    pipe = load_encoding_pipeline(files, transformer, world)
+    context, pooled = encode_text(pipe, [*prompts, ""], config.data)
     shift = float(pipe.scheduler.config.get("shift", 1.0))
     del pipe
     release_device_memory(world)
@@ -223,7 +215,11 @@ def _prompt_set(
     """The encoded sample prompts: `path` when it holds these prompts encoded by these text encoders, else
     encoded now (on every rank, as preparation does) and written there by rank 0."""
     settings = config.validation
-    prompts = _read_prompts(Path(settings.prompts)) if settings.prompts else tuple(default_prompts()[:DEFAULT_PROMPTS])
+    prompts = tuple(
+        read_prompts(Path(settings.prompts), flag="--validation.prompts")
+        if settings.prompts
+        else default_prompts()[:DEFAULT_PROMPTS]
+    )
     listing = {"prompts": prompts, "max_sequence_length": config.data.max_sequence_length, "text_parts": str(files)}
     digest = hashlib.sha256(json.dumps(listing, sort_keys=True).encode()).hexdigest()
     if path.is_file():
@@ -239,25 +235,6 @@ def _prompt_set(
         encoded.save(path)
         logger.info("Validation: encoded %d prompts into %s", len(prompts), path)
     return encoded
-
-
-def _load_vae(files: PipelineFiles) -> nn.Module:
-    """The base's VAE in fp32, on the host: a pipeline folder's `vae/`, or a single-file checkpoint's."""
-    from diffusers import AutoencoderKL
-
-    if files.folder is not None:
-        vae = AutoencoderKL.from_pretrained(
-            str(files.folder), subfolder="vae", local_files_only=True, torch_dtype=torch.float32
-        )
-    else:
-        vae = AutoencoderKL.from_single_file(
-            str(files.checkpoint),
-            config=str(files.configs),
-            subfolder="vae",
-            local_files_only=True,
-            torch_dtype=torch.float32,
-        )
-    return vae.eval()
 
 
 def write_grid(path: Path, prompts: Sequence[str], columns: Sequence[tuple[str, Tensor]]) -> Path:
@@ -381,8 +358,8 @@ class Validator:
         """Latents `(P, C, h, w)` of every prompt from its fixed noise, on the host."""
         settings, prompts, device = self.config.validation, self.prompts, self.world.device
         chunks = []
-        for start in range(0, len(prompts.prompts), _SAMPLE_BATCH):
-            rows = slice(start, start + _SAMPLE_BATCH)
+        for start in range(0, len(prompts.prompts), SAMPLE_BATCH):
+            rows = slice(start, start + SAMPLE_BATCH)
             count = prompts.context[rows].shape[0]
             cond = ToyCond(
                 prompts.context[rows].to(device),
@@ -454,15 +431,13 @@ class Validator:
         logger.info("Validation: step %d grid %s", step, grid)
 
     def _decode(self, latents: Tensor) -> Tensor:
-        """Images `(P, 3, H, W)` in [0, 1] of latents, decoded on the device in batches of `_DECODE_BATCH`."""
-        from trainer.prepare import release_device_memory
-
+        """Images `(P, 3, H, W)` in [0, 1] of latents, decoded on the device in batches of `DECODE_BATCH`."""
         if self._vae is None:
-            self._vae = _load_vae(self.files)
+            self._vae = load_vae(self.files, dtype=torch.float32)
         vae = self._vae.to(self.world.device)
         shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
         images = []
-        for part in latents.split(_DECODE_BATCH):
+        for part in latents.split(DECODE_BATCH):
             pixels = vae.decode(part.to(self.world.device) / scale + shift).sample
             images.append((pixels.float().cpu() / 2 + 0.5).clamp(0, 1))
         vae.to("cpu")

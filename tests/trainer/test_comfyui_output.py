@@ -131,7 +131,7 @@ def test_the_model_card_says_what_the_file_is_and_how_to_use_it():
     frozen = dataclasses.replace(config, model=dataclasses.replace(config.model, trainable="t5"))
     assert "| lr of inherited parameters | `frozen` |" in model_card(frozen, _report(), weights_name="x.safetensors")
     assert "| precision | `bf16` |" in card and "| steps | `9` |" in card and "| processes | `2 (ddp)` |" in card
-    assert "[training]\nbatch_size = 16\nsteps = 9\n" in card  # the resolved config, whole
+    assert "[training]\nbatch_size = 16\naccumulate = 1\nsteps = 9\n" in card  # the resolved config, whole
     assert "Trained to step 7; stopped: `--training.max_minutes` spent." in card
     assert "* `loss/total`: 0.5123" in card and "lr/new" not in card.split("## Training")[1].split("##")[0]
     assert "None ran in this run" in card

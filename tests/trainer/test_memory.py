@@ -70,14 +70,20 @@ def test_more_micro_batches_are_offered_before_a_smaller_batch(budget, offered):
     assert fixes[1].startswith("--training.batch_size 8 (1 per GPU; about 22.2 GiB)")
 
 
-def test_loading_the_fp32_model_is_a_peak_of_its_own():
-    plan = plan_memory(COUNTS, SHAPE, BASE, runtime_margin_gib=0.0)
-    weights = (COUNTS.trained + COUNTS.frozen + COUNTS.buffers) * 4 / GIB
-    assert plan.load_gib == pytest.approx(weights)
+def test_loading_casts_or_shards_on_the_way_so_it_never_exceeds_training():
+    ddp = plan_memory(COUNTS, SHAPE, BASE, runtime_margin_gib=0.0)
+    assert ddp.load_gib == pytest.approx((COUNTS.trained * 4 + COUNTS.frozen * 2 + COUNTS.buffers * 4) / GIB)
+    fsdp = plan_memory(COUNTS, SHAPE, dataclasses.replace(BASE, mode="fsdp2"), runtime_margin_gib=0.0)
+    sharded = (COUNTS.trained + COUNTS.frozen) * 4 / 4 + COUNTS.largest_block * 4 + COUNTS.buffers * 4
+    assert fsdp.load_gib == pytest.approx(sharded / GIB)
     tiny = RunShape(batch_per_rank=1, image_tokens=16, text_tokens=8, hidden=1536, depth=24)
-    frozen_heavy = ParamCounts(trained=1_000_000, frozen=4_000_000_000, buffers=0, largest_block=1)
-    small = plan_memory(frozen_heavy, tiny, BASE, runtime_margin_gib=0.0)
-    assert small.total_gib == small.load_gib > sum(small.components.values())
+    frozen_heavy = ParamCounts(trained=1_000_000, frozen=4_000_000_000, buffers=0, largest_block=200_000_000)
+    for counts in (COUNTS, frozen_heavy):
+        for mode in ("ddp", "fsdp2"):
+            for precision in ("bf16", "fp32"):
+                settings = dataclasses.replace(BASE, mode=mode, precision=precision, teacher_params=counts.frozen)
+                plan = plan_memory(counts, tiny, settings)
+                assert plan.load_gib <= sum(plan.components.values()), (counts, mode, precision)
 
 
 def test_adamw_scratch_counts_only_beyond_the_activations():

@@ -3,23 +3,24 @@ SD3.5 Large on one 24 GB GPU is refused with a message that says what would fit.
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from testing.models import shipped_config
+from testing.trainer_assets import write_images
 from trainer.cli import parse_args
 from trainer.config import TrainConfig
-from trainer.data import bucket_sizes
-from trainer.memory import MemoryPlan, check_plan, count_parameters, run_shape
-from trainer.model import CONFIGS_DIR, build_model
+from trainer.model import CONFIGS_DIR
+from trainer.run_plan import RunPlan, plan_whole_run
+from trainer.sources import PARTS_CONFIG_DIR
 from trainer.time_estimate import GPUS
 
 RECIPES = CONFIGS_DIR.parent
-TEXT_TOKENS = 77 + 256
-PIXELS_PER_TOKEN = 16
-"""VAE factor 8 x patch 2."""
 CASES = [
     pytest.param("sd35_medium_24gb.toml", "sd3.5_medium", "RTX 4090", 1, id="medium-1xRTX4090"),
     pytest.param("sd35_medium_full_linear_24gb.toml", "sd3.5_medium", "RTX 4090", 1, id="medium-full-linear-1xRTX4090"),
@@ -34,31 +35,38 @@ def _load(recipe: str, *flags: str) -> TrainConfig:
     return parse_args(["--config", str(RECIPES / recipe), "--model.base", "m", "--data.path", "d", *flags])
 
 
-def _plan(config: TrainConfig, model: str, gpu_name: str, world_size: int) -> MemoryPlan:
-    """What `trainer.memory.plan_run` prints on `world_size` of `gpu_name`: the model on the meta device, built
-    as the trainer builds it (low-rank deltas included), the largest bucket of the recipe's resolution."""
-    from diffusers import SD3Transformer2DModel
+@pytest.fixture(scope="module")
+def base_of(tmp_path_factory):
+    """A shipped model as a diffusers pipeline folder of configs alone (no weights): all the plan reads."""
+    root = tmp_path_factory.mktemp("bases")
 
-    with torch.device("meta"):
-        handle, split = build_model(SD3Transformer2DModel(**shipped_config(model)), config)
-    width, height = max(bucket_sizes(config.data.buckets, config.data.resolution, 16), key=lambda s: s[0] * s[1])
-    shape = run_shape(
-        handle.arch,
-        list(handle.modules),
-        batch_per_rank=config.training.batch_size // (world_size * config.training.accumulate),
-        accumulate=config.training.accumulate,
-        image_tokens=(width // PIXELS_PER_TOKEN) * (height // PIXELS_PER_TOKEN),
-        text_tokens=TEXT_TOKENS,
-    )
-    gpu = next(gpu for gpu in GPUS if gpu.name == gpu_name)
-    return check_plan(
-        config,
-        count_parameters(handle, split),
-        shape,
-        world_size=world_size,
-        budget_gib=gpu.memory_gib,
-        device_name=gpu.device_names[0],
-    )
+    def folder(model: str) -> Path:
+        path = root / model
+        if not path.exists():
+            shutil.copytree(PARTS_CONFIG_DIR, path)
+            (path / "transformer").mkdir()
+            shutil.copy(CONFIGS_DIR / model / "config.json", path / "transformer" / "config.json")
+            (path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+        return path
+
+    return folder
+
+
+@pytest.fixture
+def plan(base_of, tmp_path, monkeypatch):
+    """What `trainer.run_plan.plan_whole_run` prints for a recipe on `world_size` of `gpu_name`, before loading."""
+    images = tmp_path / "images"
+    write_images(images, [(32, 32)])
+
+    def make(recipe: str, model: str, gpu_name: str, world_size: int, *flags: str) -> RunPlan:
+        gpu = next(gpu for gpu in GPUS if gpu.name == gpu_name)
+        monkeypatch.setattr("trainer.run_plan.device_budget", lambda *_: (gpu.memory_gib, gpu.device_names[0]))
+        config = _load(recipe, "--model.base", str(base_of(model)), "--data.path", str(images),
+                       "--output.dir", str(tmp_path / "out"), *flags)  # fmt: skip
+        world = SimpleNamespace(world_size=world_size, rank=0, is_main=True, device=torch.device("cpu"))
+        return plan_whole_run(config, world)
+
+    return make
 
 
 def _stated(recipe: str, pattern: str) -> float:
@@ -68,15 +76,18 @@ def _stated(recipe: str, pattern: str) -> float:
 
 
 @pytest.mark.parametrize(("recipe", "model", "gpu", "world_size"), CASES)
-def test_recipe_fits_its_gpu_and_states_its_plan(recipe, model, gpu, world_size):
-    config = _load(recipe)
-    plan = _plan(config, model, gpu, world_size)
-    assert plan.fits
-    summary = plan.summary()
+def test_recipe_fits_its_gpu_and_states_its_plan(plan, recipe, model, gpu, world_size):
+    """Every phase fits, preparing the recipe's data included; the header states the training phase's plan (data
+    preparation sizes its VAE calls to what the GPU holds)."""
+    whole = plan(recipe, model, gpu, world_size)
+    assert whole.over_budget() == [] and "preparation: encoding images" in whole.phases
+    summary = whole.summary()
     assert "estimated time" in summary and gpu in summary and "an estimate" in summary
     # The header's figures are the plan's, rounded (a recipe edited without its header fails here).
-    assert _stated(recipe, r"about ([\d.]+) GiB per GPU") == pytest.approx(plan.total_gib, rel=0.05)
-    assert _stated(recipe, r"about ([\d.]+) h") == pytest.approx(plan.time.hours, rel=0.1)
+    assert _stated(recipe, r"about ([\d.]+) GiB per GPU") == pytest.approx(whole.phases["training"], rel=0.05)
+    assert whole.notes["preparation: encoding images"].endswith(f"{whole.vae_batch} images a VAE call")
+    assert _stated(recipe, r"the VAE encodes (\d+) images a call") == whole.vae_batch
+    assert _stated(recipe, r"about ([\d.]+) h") == pytest.approx(whole.training.time.hours, rel=0.1)
 
 
 @pytest.mark.parametrize("recipe", ["sd35_medium_24gb.toml", "sd35_medium_full_linear_24gb.toml"])
@@ -91,23 +102,24 @@ def test_every_recipe_file_is_checked():
     assert {path.name for path in RECIPES.glob("*.toml")} == checked
 
 
-def test_large_on_one_24gb_gpu_is_refused_with_the_reason():
-    config = _load("sd35_large_80gb.toml", "--training.batch_size", "1")
-    with pytest.raises(RuntimeError, match=r"no flag lowers loading, which needs 3\d\.\d GiB") as caught:
-        _plan(config, "sd3.5_large", "RTX 4090", 1)
-    assert "at least 33 GiB" in str(caught.value) and "training alone would need" in str(caught.value)
+def test_large_on_one_24gb_gpu_is_refused_with_the_reason(plan):
+    """Loading casts frozen weights before they move, so it is training, not loading, that misses a 24 GB card."""
+    whole = plan("sd35_large_80gb.toml", "sd3.5_large", "RTX 4090", 1, "--training.batch_size", "1")
+    assert whole.over_budget() == ["validation: samples", "training"] and whole.phases["loading"] < 23.6
+    with pytest.raises(RuntimeError, match=r"needs about 26\.\d GiB per GPU but has 23\.6 GiB") as caught:
+        whole.check()
+    assert "training needs about 24.2 GiB. Try: train fewer weights (--model.trainable t5)." in str(caught.value)
 
 
-def test_a_run_too_big_for_its_gpu_names_flags_that_fit():
-    config = _load("sd35_medium_80gb.toml", "--training.gradient_checkpointing", "false")
+def test_a_run_too_big_for_its_gpu_names_flags_that_fit(plan):
+    whole = plan("sd35_medium_80gb.toml", "sd3.5_medium", "RTX 4090", 1, "--training.gradient_checkpointing", "false")
     with pytest.raises(RuntimeError, match="needs about") as caught:
-        _plan(config, "sd3.5_medium", "RTX 4090", 1)
-    fixes = str(caught.value).split("Try: ")[1]
+        whole.check()
+    fixes = str(caught.value).split("training needs about")[1]
     # Accumulation keeps the recipe's global batch of 16, so it comes before the smaller batch.
     assert fixes.index("--training.accumulate 16 (the same global batch, 1 per GPU at a time; about") < fixes.index(
         "--training.batch_size 1 (1 per GPU; about"
     )
     flags = ("--training.batch_size", "4", "--training.accumulate", "1", "--training.gradient_checkpointing", "false")
-    config = _load("sd35_medium_24gb.toml", *flags)
     with pytest.raises(RuntimeError, match="--training.gradient_checkpointing true"):
-        _plan(config, "sd3.5_medium", "RTX 4090", 1)
+        plan("sd35_medium_24gb.toml", "sd3.5_medium", "RTX 4090", 1, *flags).check()

@@ -15,6 +15,7 @@ from trainer.memory import GIB, PlanDoesNotFit, count_parameters
 from trainer.model import build_model, load_base
 from trainer.run_plan import (
     CLIP_TOKENS,
+    VAE_LIVE_WIDTHS,
     EncoderCounts,
     RunPlan,
     encoder_counts,
@@ -91,6 +92,23 @@ def test_each_source_plans_its_own_phases(configs_only, images, tmp_path, world)
     ]  # fmt: skip
 
 
+def test_validation_plans_its_prompts_and_its_samples_beside_the_training_state(configs_only, images, tmp_path, world):
+    config = _config(configs_only, images, tmp_path / "v", "--validation.enabled", "true")
+    plan = plan_whole_run(config, world)
+    assert list(plan.phases) == [
+        "loading", "preparation: encoding images", "validation: embedding prompts", "validation: samples", "training",
+    ]  # fmt: skip
+    assert plan.notes["validation: embedding prompts"] == "4 prompts and the empty one"
+    steady = sum(gib for name, gib in plan.training.components.items() if "activations" not in name)
+    assert plan.phases["validation: samples"] > steady
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\n")
+    two = plan_whole_run(_config(configs_only, images, tmp_path / "w", "--validation.enabled", "true",
+                                 "--validation.prompts", str(prompts)), world)  # fmt: skip
+    assert two.notes["validation: embedding prompts"] == "2 prompts and the empty one"
+    assert two.phases["validation: embedding prompts"] < plan.phases["validation: embedding prompts"]
+
+
 def test_guidance_doubles_what_generation_runs_at_once(configs_only, images, tmp_path, world):
     flags = ("--data.source", "prompts", "--data.path", "", "--data.shard_size", "8")
     unguided = plan_whole_run(
@@ -113,10 +131,17 @@ def test_sd35_parts_are_counted_from_their_shipped_configs():
 
 def test_the_vae_batch_is_the_most_images_that_fit():
     counts = EncoderCounts(
-        text_params=0, text_tokens=(), text_widths=(), text_heads=(), vae_params=0, vae_width=128, vae_factor=8
+        text_params=0,
+        text_tokens=(),
+        text_widths=(),
+        text_heads=(),
+        text_kept=(),
+        vae_params=0,
+        vae_width=128,
+        vae_factor=8,
     )
     one = vae_activations_gib(counts, 1, 1024 * 1024, dtype_bytes=2)
-    assert one == pytest.approx(1024 * 1024 * 128 * 4 * 2 / GIB)
+    assert one == pytest.approx(1024 * 1024 * 128 * VAE_LIVE_WIDTHS * 2 / GIB)
     fit = largest_vae_batch(counts, room_gib=3.5 * one, pixels=1024 * 1024, most=64, dtype_bytes=2)
     assert fit == 3
     assert largest_vae_batch(counts, room_gib=100 * one, pixels=1024 * 1024, most=8, dtype_bytes=2) == 8

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from trainer.config import TrainConfig
-from trainer.memory import check_plan
+from trainer.memory import plan_training
 from trainer.time_estimate import (
     GPUS,
     GpuSpec,
@@ -83,7 +83,7 @@ def test_without_a_device_name_the_budget_picks_a_card():
 
 def test_an_unknown_card_plans_without_an_estimate_and_says_why(caplog):
     with caplog.at_level(logging.INFO, logger="trainer.memory"):
-        plan = check_plan(
+        plan, _ = plan_training(
             TrainConfig(), COUNTS, SHAPE, world_size=1, budget_gib=None, device_name="NVIDIA GeForce RTX 3090 Ti"
         )
     assert plan.time is None and "estimated time" not in plan.summary()

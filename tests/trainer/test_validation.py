@@ -197,7 +197,7 @@ def test_resume_reuses_the_encoded_prompts_and_the_teacher_samples(inputs, tmp_p
     def no_text_encoders(*args, **kwargs):
         raise AssertionError("the resumed run loaded the text encoders again")
 
-    monkeypatch.setattr("trainer.prepare._load_pipeline", no_text_encoders)
+    monkeypatch.setattr("trainer.prepare.load_encoding_pipeline", no_text_encoders)
     result = run(config_for(inputs, out, "--training.steps", "4", *flags))
     assert result.step == 4
     assert {name: (folder / name).stat().st_mtime_ns for name in stamps} == stamps

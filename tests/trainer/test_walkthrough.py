@@ -28,7 +28,7 @@ def tiny_flags(configs: Path, output: Path) -> list[str]:
         "--data.shard_size", "2", "--training.batch_size", "2", "--training.accumulate", "2", "--training.steps", "1",
         "--training.precision",
         "fp32", "--training.gradient_checkpointing", "false", "--checkpoint.every", "0", "--output.dir", str(output),
-        "--output.progress", "false",
+        "--output.progress", "false", "--validation.holdout", "0", "--validation.samples_steps", "2",
     ]  # fmt: skip
 
 
@@ -58,3 +58,8 @@ def test_walkthrough_runs_on_the_tiny_layout(tmp_path):
     assert result.step == 1 and landed.is_file()
     assert landed.read_bytes() == result.weights.read_bytes()
     assert (tmp_path / "run" / "data-cache" / "manifest.json").is_file()
+    # The recipe validates: grids of the start and the end, to look at before the file reaches ComfyUI.
+    assert {path.name for path in (tmp_path / "run" / "validation").glob("step_*.png")} == {
+        "step_000000.png",
+        "step_000001.png",
+    }
