@@ -32,8 +32,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from t5core.attention import param_name
-from trainer.cli import config_from_toml_text
 from trainer.config import TrainConfig
+from trainer.config_file import config_from_toml_text
 from trainer.distributed import World
 from trainer.optim import strip_wrapper_prefix
 

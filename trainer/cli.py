@@ -1,4 +1,4 @@
-"""Flags, `--help` and TOML files generated from the config sections in `trainer.config`.
+"""Flags and `--help` generated from the config sections in `trainer.config` (TOML files: `trainer.config_file`).
 
 Each field `x` of section `s` is the flag `--s.x` and the key `x` of the TOML table `[s]`; its help
 text is the field's docstring. Precedence: defaults < `--config FILE` < flags. Unknown TOML keys are
@@ -16,18 +16,13 @@ import inspect
 import types
 import typing
 from collections.abc import Collection
-from pathlib import Path
 from typing import Any, Literal
 
-import tomllib
-
-from t5core.atomic import write_text_atomic
 from trainer.config import TrainConfig
+from trainer.config_file import NONE, build_config, load_toml, section_types, toml_value
 from trainer.presets import check_config
 
-__all__ = ["add_flags", "build_parser", "config_to_toml", "load_toml", "parse_args", "save_config"]
-
-_NONE = "none"
+__all__ = ["add_flags", "build_parser", "parse_args"]
 
 
 @functools.cache
@@ -48,11 +43,6 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _section_types() -> dict[str, type]:
-    hints = typing.get_type_hints(TrainConfig)
-    return {name: hints[name] for name in TrainConfig.sections()}
-
-
 def _converter(hint: Any, flag: str) -> tuple[Any, list[str] | None, str | None]:
     """A string -> value parser for a field type, and its choices and metavar for `--help`."""
     origin = typing.get_origin(hint)
@@ -63,9 +53,9 @@ def _converter(hint: Any, flag: str) -> tuple[Any, list[str] | None, str | None]
         parse, _, metavar = _converter(inner[0], flag)
 
         def optional(text: str) -> Any:
-            return None if text.lower() == _NONE else parse(text)
+            return None if text.lower() == NONE else parse(text)
 
-        return optional, None, f"{metavar}|{_NONE}"
+        return optional, None, f"{metavar}|{NONE}"
     if hint is bool:
         return _parse_bool, None, "BOOL"
     if hint in (int, float, str):
@@ -103,7 +93,7 @@ def add_flags(
         parse, choices, metavar = _converter(hints[item.name], dest)
         help_text = docs.get(item.name, "").replace("%", "%%")
         if item.name not in required:
-            help_text += f" (default: {_toml_value(getattr(defaults, item.name))})"
+            help_text += f" (default: {toml_value(getattr(defaults, item.name))})"
         parser.add_argument(
             f"--{dest}" if section else f"--{item.name.replace('_', '-')}",
             dest=dest,
@@ -138,69 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--config", metavar="FILE.toml", help="TOML file with [section] tables of these settings.")
-    for section, cls in _section_types().items():
+    for section, cls in section_types().items():
         add_flags(parser.add_argument_group(section, (cls.__doc__ or "").strip()), cls, section=section)
     return parser
-
-
-def load_toml(path: str | Path) -> dict[str, dict[str, Any]]:
-    """Read a TOML config file and check its tables and keys against the config sections.
-
-    Raises:
-        FileNotFoundError: the file does not exist.
-        ValueError: not valid TOML, or a table / key that is not a setting (names it and the valid ones).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist; check the --config path.")
-    return _check_tables(path.read_text(encoding="utf-8"), str(path))
-
-
-def _check_tables(text: str, origin: str) -> dict[str, dict[str, Any]]:
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise ValueError(f"config file {origin} is not valid TOML: {error}.") from error
-    sections = _section_types()
-    for section, values in data.items():
-        if section not in sections or not isinstance(values, dict):
-            raise ValueError(f"config file {origin}: [{section}] is not a section; use one of {sorted(sections)}.")
-        known = {item.name for item in dataclasses.fields(sections[section])}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(
-                f"config file {origin}: [{section}] has unknown key(s) {unknown}; valid keys are {sorted(known)}."
-            )
-    return data
-
-
-def _build(values: dict[str, dict[str, Any]]) -> TrainConfig:
-    built = {}
-    for section, cls in _section_types().items():
-        hints = typing.get_type_hints(cls)
-        given = {key: _coerce(value, hints[key], f"{section}.{key}") for key, value in values.get(section, {}).items()}
-        built[section] = cls(**given)
-    return TrainConfig(**built)
-
-
-def _coerce(value: Any, hint: Any, flag: str) -> Any:
-    """Check a TOML value against the field type (TOML has int/float/bool/str; `none` means None)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() == _NONE):
-            return None
-        hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
-        origin = typing.get_origin(hint)
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        if value not in choices:
-            raise ValueError(f"--{flag}: {value!r} is not one of {list(choices)}.")
-        return value
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise TypeError(f"--{flag}: expected {hint.__name__}, got {type(value).__name__} {value!r}.")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
@@ -217,38 +147,6 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     for flag, value in namespace.items():
         section, key = flag.split(".", 1)
         values.setdefault(section, {})[key] = value
-    config = _build(values)
+    config = build_config(values)
     check_config(config)
     return config
-
-
-def config_to_toml(config: TrainConfig) -> str:
-    """The resolved config as TOML text (loads back to an equal config through `--config`)."""
-    lines: list[str] = []
-    for section in TrainConfig.sections():
-        lines.append(f"[{section}]")
-        for item in dataclasses.fields(getattr(config, section)):
-            lines.append(f"{item.name} = {_toml_value(getattr(getattr(config, section), item.name))}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(value: Any) -> str:
-    if value is None:
-        return f'"{_NONE}"'
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{escaped}"'
-
-
-def save_config(config: TrainConfig, path: str | Path) -> Path:
-    """Write the resolved config as TOML, atomically (temp file then rename)."""
-    return write_text_atomic(path, config_to_toml(config))
-
-
-def config_from_toml_text(text: str) -> TrainConfig:
-    """Build a config from TOML text (used to compare a resumed run's config with the saved one)."""
-    return _build(_check_tables(text, "<saved config>"))

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from trainer.checkpoint import CheckpointManager, Start
-from trainer.cli import config_to_toml
 from trainer.config import TrainConfig
+from trainer.config_file import config_to_toml
 from trainer.data import Batch, BatchPlan, Source
 from trainer.distributed import World
 from trainer.losses import AttentionCapture, sample_sigmas, step_losses

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from t5core.file_stamp import sha256_file
-from trainer.cli import config_to_toml
 from trainer.config import ModelConfig, TrainConfig
+from trainer.config_file import config_to_toml
 from trainer.model import base_weight_files
 from trainer.presets import ModelPreset, get_preset
 from trainer.validation import REPORT_KEY, card_section

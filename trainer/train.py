@@ -24,8 +24,8 @@ from torch import nn
 from t5core.hosts.diffusers import T5Handle, arch_of
 from t5core.sd3_keys import diffusers_module
 from trainer.checkpoint import CheckpointManager, resume_from, resume_path
-from trainer.cli import save_config
 from trainer.config import TrainConfig
+from trainer.config_file import save_config
 from trainer.data import BatchPlan, Source
 from trainer.distributed import World, init_world
 from trainer.export import ComfyTarget, comfyui_target, export_run, publish, record_base, run_report

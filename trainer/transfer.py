@@ -32,8 +32,8 @@ from t5core.hosts.diffusers import T5Handle
 from t5core.hosts.diffusers_runtime import T5AttnProcessor
 from t5core.sd3_keys import diffusers_module
 from trainer.checkpoint import CheckpointManager, Resume, RunAlreadyFinished, Start, check_resume_config, read_state
-from trainer.cli import config_to_toml
 from trainer.config import OptimConfig, TrainConfig
+from trainer.config_file import config_to_toml
 from trainer.data import BatchPlan, Source
 from trainer.distributed import World
 from trainer.loop import micro_batches

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from trainer.checkpoint import STATE_FILE, CheckpointManager, resume_from, resume_path
-from trainer.cli import config_to_toml, parse_args
+from trainer.cli import parse_args
+from trainer.config_file import config_to_toml
 from trainer.distributed import init_world
 from trainer.optim import build_scheduler
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.cli import build_parser, config_from_toml_text, config_to_toml, parse_args, save_config
+from trainer.cli import build_parser, parse_args
 from trainer.config import DataConfig, TrainConfig
+from trainer.config_file import config_from_toml_text, config_to_toml, save_config
 from trainer.train import run
 
 
