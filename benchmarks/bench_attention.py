@@ -22,16 +22,15 @@ it is not disturbed by load.
 
 Resident memory, as users see it: the rise of the process's peak resident set (`VmHWM`) that one
 call causes, measured in two child processes that build the same inputs: one runs the call, the other
-only allocates and fills an output of the same size, and the row is the difference (issue 20's
-measure). Unlike the peak above, it includes what the allocator keeps or fragments, thread pools and the
-code the call loads. It reads `VmHWM`, not `ru_maxrss`: Linux carries `ru_maxrss` across a spawned
-child's `exec`, so both children would report this process's resident set at the fork (every row read
-0 MiB that way).
+only allocates and fills an output of the same size, and the row is the difference. Unlike the peak
+above, it includes what the allocator keeps or fragments, thread pools and the code the call loads.
+It reads `VmHWM`, not `ru_maxrss`: Linux carries `ru_maxrss` across a spawned child's `exec`, so both
+children would report this process's resident set at the fork (every row would read 0 MiB).
 
 `--chunk-sweep` also times the chunked path (in turn, as above) and measures its peak at the largest
-N for each chunk size given (how `t5core.ttt_chunked.DEFAULT_CHUNK_TOKENS` was chosen). The table is printed with
-the goals of issue 12 (chunked peak <= 2 inputs, speedup >= 10, growth 4096 -> 16384 <= 5) and the
-load average; rows go to `benchmarks/results/attention_<device>.json`.
+N for each chunk size given (the choice of `t5core.ttt_chunked.DEFAULT_CHUNK_TOKENS`). The table is
+printed with the chunked path's goals (peak <= 2 inputs, speedup >= 10, growth 4096 -> 16384 <= 5)
+and the load average; rows go to `benchmarks/results/attention_<device>.json`.
 """
 
 from __future__ import annotations
@@ -185,7 +184,7 @@ def print_row(row: dict) -> None:
 
 
 def goals(rows: list[dict]) -> list[str]:
-    """Issue 12's goals for the chunked path, measured on these rows."""
+    """The chunked path's goals, checked on these rows."""
     ok = [row for row in rows if row["status"] == "ok"]
     if not ok:
         return []

@@ -6,10 +6,8 @@ The measurement, one run and one JSON (written after each size, so a stopped run
     python -m benchmarks.bench_comfy_step --device cuda --dtype bf16 --sizes 1024 --compose 1024 2048 \
         --warmup 2 --reps 5 --block-reps 3  # the GPU row: benchmarks/gpu_check.sh, stage step
 
-Times measured on 2 CPU cores in fp32 (an AMD EPYC host): the first command's 1024x1024 section for
-five paths, 63 min; the two in "Rounds" below, 41 min (softmax and `all`, 3 rounds of 3 block runs)
-and 48 min (six paths at 2048x2048, where a softmax step composes to 35 min and one softmax block with
-attn2 takes about 53 s per model call). The fp32 model holds about 10 GB.
+On 2 CPU cores in fp32 the first command, and each of the two in "Rounds" below, runs for about an
+hour; the fp32 model holds about 10 GB.
 `--plan` prints which kinds of block each path adds up, without running anything; a smoke test at
 toy size takes under a minute: `--blocks 2 --sizes 64 --compose 64 --warmup 1 --reps 2`.
 
@@ -39,10 +37,10 @@ Two ways to get a step's time, and the table says which each row used:
 
 Rounds: after each path's warm-up steps, `--reps` rounds each time every path once in turn, its whole
 step and right after it its composed parts, and each time is the median over the rounds. On a shared or
-throttled machine (this project's 2-core CPU delivered anywhere from 67 to 157 GFLOP/s on one fixed
-matmul over a minute, nothing else running) a slow stretch then hits every path and both methods alike,
-instead of whichever was being timed then. `--block-reps` times each kind of block that many times per
-round (a block at 1024x1024 takes seconds, short enough for such a stretch to move it), and each row
+throttled machine (whose throughput on one fixed matmul can vary twofold within a minute) a slow
+stretch then hits every path and both methods alike, not only the one being timed. `--block-reps`
+times each kind of block that many times per round (a block at 1024x1024 takes seconds, short enough
+for such a stretch to move it), and each row
 also gives composed / measured round by round, each round's composed step from its own block times
 against the whole step timed just before them. `--suffix` names the JSON apart, so that a
 composition check and a composed-only size can be kept beside the main table:
@@ -87,7 +85,7 @@ from testing import comfy_env
 from testing.models import sd35_medium_config
 
 COMPOSITION_GOAL = 0.05
-"""Composed and measured steps must agree within 5 % where both are run (issue 20)."""
+"""Composed and measured steps must agree within 5 % where both are run, for composed times to be trusted."""
 
 
 def parse_args(depth: int) -> argparse.Namespace:

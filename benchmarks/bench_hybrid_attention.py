@@ -13,8 +13,8 @@ forward + backward (a random output gradient, all of q, k, v and the T5 paramete
 
 Each shape is checked first: the hybrid's text rows must equal SDPA's (relative RMS error <= 1e-5),
 else the row reads FAIL. Times are medians over `--rounds` rounds that time every path in turn
-(`bench_attention.timings_in_turn`). Ratio = T5 time / SDPA time (the issue's "fraction of SDPA's
-time"; its inverse is the speedup vs softmax); growth = time at N / time at the previous N. Rows go
+(`bench_attention.timings_in_turn`). Ratio = T5 time / SDPA time (the "fraction of SDPA's time";
+its inverse is the speedup vs softmax); growth = time at N / time at the previous N. Rows go
 to `benchmarks/results/hybrid_attention_<device>.json`.
 """
 
@@ -132,7 +132,7 @@ def print_rows(rows: list[dict]) -> None:
 
 
 def goals(rows: list[dict]) -> list[str]:
-    """Issue 18's goals on the CPU torch path, stated against the rows measured."""
+    """The hybrid's goals on the CPU torch path, checked on these rows."""
     largest = max((r for r in rows if r["status"] == "ok"), key=lambda r: r["image_tokens"], default=None)
     if largest is None:
         return []

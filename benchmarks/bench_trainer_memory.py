@@ -29,7 +29,7 @@ from trainer.time_estimate import ParamCounts, RunShape
 logger = logging.getLogger(__name__)
 
 PUBLISHED_PARAMS = {"sd3.5_medium": 2_243_171_520, "sd3.5_large": 8_056_627_520}
-"""Parameter counts of the released transformers (research notes, diffusers-sd3.md 1.6)."""
+"""Parameter counts of the released transformers, which the models built from `trainer/configs/models` must match."""
 CLIP_TOKENS = 77
 T5_TOKENS = 256
 VAE_FACTOR = 8

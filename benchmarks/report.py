@@ -84,7 +84,28 @@ def _attention(result: Result) -> list[str]:
         *(f"{'SDPA' if path == 'sdpa' else f'T5 `{path}`'} resident MiB" for path in resident),
     ]
     goals = [f"* goal: {goal}" for goal in meta.get("goals", [])]
-    return [intro, "", *_table(header, rows), *([""] + goals if goals else [])]
+    return [intro, "", *_table(header, rows), *([""] + goals if goals else []), *_chunk_sweep(meta)]
+
+
+def _chunk_sweep(meta: dict[str, Any]) -> list[str]:
+    """The `--chunk-sweep` rows: the chunked path's time and peak memory per chunk size at one N."""
+    sweep = meta.get("chunk_sweep") or []
+    if not sweep:
+        return []
+    intro = (
+        f"Chunk sizes of the `chunked` path at N={sweep[0]['tokens']} (`--chunk-sweep`, timed in turn as above; "
+        f"the default, `t5core.ttt_chunked.DEFAULT_CHUNK_TOKENS`, is {meta['chunk_tokens']}):"
+    )
+    rows = [
+        [
+            row["chunk_tokens"],
+            _ms(row["median_ms"]),
+            f"{_ms(row['p20_ms'])}-{_ms(row['p80_ms'])}",
+            f"{row['peak_mib']:.0f}",
+        ]
+        for row in sweep
+    ]
+    return ["", intro, "", *_table(["chunk tokens", "ms", "p20-p80 ms", "peak MiB"], rows)]
 
 
 def _hybrid_attention(result: Result) -> list[str]:
@@ -96,7 +117,7 @@ def _hybrid_attention(result: Result) -> list[str]:
         "wherever text takes part, T5 between image tokens; `+ NA`: hybrid with the 5x5 neighbourhood softmax "
         "blended into the image rows. Fraction = T5 time / SDPA time; growth over the previous row's image tokens."
     )
-    # rows measured before the neighbourhood blend existed have no `hybrid_na` columns
+    # result files without the neighbourhood blend have no `hybrid_na` columns
     paths = ("t5", "hybrid", "hybrid_na") if "fwd_hybrid_na_ms" in result["rows"][0] else ("t5", "hybrid")
     rows = []
     for row in result["rows"]:

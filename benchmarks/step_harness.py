@@ -196,7 +196,7 @@ class WholeRun:
     """A path's whole step at one size, timed one step per round (`round`) after `prepare`.
 
     Rounds of every path run in turn (`bench_comfy_step`), so a slow stretch of a shared machine hits
-    every path alike instead of whichever path was being timed then.
+    every path alike, not only the one being timed.
     """
 
     def __init__(self, step: Step, memory: PeakMemory) -> None:

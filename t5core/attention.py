@@ -1,7 +1,8 @@
 """`T5Attention`: the T5 layer that replaces softmax attention inside a host's attention module.
 
 The host computes q, k, v with its inherited projections and q/k norms, calls this module, and
-applies its inherited output projection to the result (DESIGN.md sections 2 and 4).
+applies its inherited output projection to the result (docs/method.md, "Per converted attention
+module"; the module's contract: docs/api.md, "Library API").
 
 Every parameter lives in a leaf module (no children): the fast weights and the learned merge bias in
 `fast` (`FastWeights`), the locality convs in `q_conv` / `k_conv`. ComfyUI's partial (low-VRAM) and

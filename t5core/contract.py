@@ -7,7 +7,7 @@ D head dim, h x w latent grid, T text tokens.
 `check_call` is the one signature of every T5 attention entry point: `t5core.ttt.t5_attention_ref`
 and `t5kernels.t5_attention` take its keyword arguments and pass them here; `T5Attention` calls it
 and hands the result to `t5core.backend.attend`. Backends trust a `T5Layout` (cheap asserts only).
-This module imports only torch, so `t5kernels` may import it (DESIGN.md section 3).
+This module imports only torch, so `t5kernels` may import it (docs/api.md, "What imports what").
 """
 
 from __future__ import annotations

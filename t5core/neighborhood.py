@@ -7,7 +7,7 @@ The window of the query at grid row y starts at row clamp(y - k // 2, 0, h - k),
 columns, as NATTEN's neighbourhood attention has it: a window never leaves the grid, so every query sees
 exactly k x k keys (min(k, h) x min(k, w) on a grid smaller than the kernel). The softmax scale is
 softmax attention's, D^-0.5. The paper's DiT code blends this (k = 5) 50/50 with the TTT output
-(research notes, paper section 2.8); `T5Attention(neighborhood=5)` does the same on image rows.
+(the paper, arXiv 2605.02772, section 2.8); `T5Attention(neighborhood=5)` does the same on image rows.
 
 Computed tile by tile with one fused attention call per group of tile rows: the queries of a T x T
 tile attend to an L x L key region (L = T + 2 (k // 2), clamped inside the grid; it holds every window
@@ -15,14 +15,12 @@ of the tile's queries, since the window start is monotone in the query position)
 that keeps each query's own window. That costs L^2 / k^2 (5.8x at T = 8, k = 5) the window's scores,
 but as dense, fused attention; the gathered key regions are (L / T)^2 = 2.25x the keys and values of
 the tile rows in flight, which `ROWS_PER_SLAB` bounds. On CPU the gathers take about as long as the
-attention itself: at 64 x 64 tokens (24 heads x 64, one thread, a loaded machine) T = 4, 8, 16 took
-1224, 710 and 662 ms, and 8 is kept for its smaller key regions.
+attention itself; smaller tiles mean more and smaller calls, larger ones larger key regions, and
+T = 8 balances the two.
 
 A slab's key regions are one `index_select` of whole tokens (H x D contiguous values each) in the host
-layout, then one copy to heads first; before, two gathers along the grid's rows and columns of the
-heads-first view, then that copy. Forward, 24 heads x 64, 2 threads, old and new timed in turn
-(median of the per-round old / new): 1.10x at 32 x 32 (20 rounds), 1.18x at 64 x 64 (10), 1.24x at
-128 x 128 (5: 937 -> 750 ms).
+layout, then one copy to heads first: one gather of contiguous blocks, rather than one gather along
+each grid axis of a heads-first view.
 """
 
 from __future__ import annotations

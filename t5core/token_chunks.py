@@ -1,6 +1,6 @@
 """Token chunks for the chunked torch path (`t5core.ttt_chunked`): which tokens each chunk holds, and
-the locality conv (DESIGN.md section 2, step 2) computed on one chunk of image rows, forward and
-backward.
+the locality conv (docs/method.md, "Per converted attention module", step 2) computed on one chunk of
+image rows, forward and backward.
 
 Legend: B batch, N tokens, H heads, D head dim, C = H*D conv channels, h x w latent grid, T text
 tokens. Tensors come in the host layout (B, N, H, D).
@@ -9,9 +9,9 @@ An image chunk is a band of whole grid rows `[r0, r1)`. Its 3x3 conv reads one h
 below: the band is cut out with its halo as a `(B, C, r1 - r0 + 2, w)` slab (zero rows at the image
 border, as the conv's zero padding) and convolved with no row padding, so each chunk gives exactly
 the rows of the full-image conv. Text tokens, and every token when there is no locality, are cut
-into plain runs of at most `chunk_tokens`. A sequence that fits one chunk is one chunk, text included
-(issue 20: at small N every op is a fixed cost, so a separate run of a few text tokens would repeat
-the whole chain of ops for them).
+into plain runs of at most `chunk_tokens`. A sequence that fits one chunk is one chunk, text included:
+at small N every op is a fixed cost, so a separate run of a few text tokens would repeat the whole
+chain of ops for them.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class TokenChunks:
         bias = None if bias is None else bias.float()
         if chunk.rows == (0, self.grid[0]):
             # the band is the whole image: the conv's own zero padding, no slab to pad and copy; a slice
-            # of heads is made dense (else the conv copies it to channels-first, 8x slower)
+            # of heads is made dense (else the conv copies it to channels-first, a much slower path)
             image = prepare(tokens[:, image_part]).contiguous().reshape(batch, *self.grid, -1).permute(0, 3, 1, 2)
             conv_out = F.conv2d(image, weight.float(), bias, padding=1, groups=image.shape[1])
             centre = image

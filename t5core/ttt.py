@@ -1,4 +1,4 @@
-"""The T5 attention math (DESIGN.md section 2), written once, as the reference.
+"""The T5 attention math (docs/method.md, "Per converted attention module"), written once, as the reference.
 
 Legend: B batch, N tokens (image h x w row-major, plus T text tokens first or last), H heads,
 D head dim, h x w latent grid, T text tokens. Public functions take and return the host layout

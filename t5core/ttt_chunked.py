@@ -33,43 +33,20 @@ per chunk). With U = dLoss/dW':
 Memory above inputs and output: about ten (B, H, n, D) fp32 chunk temporaries in forward, a few
 dozen in backward, plus there the two fp32 gradient buffers (dq and dk themselves for fp32 inputs).
 
-Chunk size (`DEFAULT_CHUNK_TOKENS` = 2048), measured at N = 16384 (one sample, 24 heads x 64, fp32,
-2 threads, forward; peak and time as `python -m benchmarks.bench_attention --chunk-sweep ...`
-measures them, paths timed in turn) on a 2-core machine shared with other jobs:
+Chunk size (`DEFAULT_CHUNK_TOKENS`): every chunk runs some 50 ops, each a multi-threaded region on a
+CPU and a kernel launch on a GPU, so small chunks pay that fixed cost more often, most of all when
+other processes hold the cores; large chunks hold larger temporaries. 2048 is where larger chunks
+stop saving time, with peak memory well under two inputs at N = 16384 (benchmarks/README.md,
+"T5Attention vs SDPA", the chunk sizes).
 
-    chunk tokens              256    512   1024   2048   4096    reference (one chunk of N)
-    peak MiB                   12     23     44     86    170    673
-    ms, load average 1-2        -      -    323    419    506    1118
-    ms, load average 3-4    12047   3412   3510   1210   1813    2218
-
-The reference's peak was 1056 MiB (its times are from then) before it shared `t5core.ttt.inner_grads`
-and its in-place intermediates with this path. Peak memory is linear in the chunk (about 42 KiB per
-chunk token here). On a quiet machine time is nearly flat from 1024 up. Every chunk runs some 50
-ops, each a multi-threaded region; when other processes hold the cores each region waits for its
-threads, so small chunks lose most under load. 2048 is the compromise: within a third of the best
-time when quiet, the best under load, fewer kernel launches on a GPU, and under half of issue 12's
-memory budget (two inputs, 192 MiB here).
-
-Fixed cost (issue 20). At small N a call's cost is its aten ops (about 60 per chunk): bmm with
-(D, D) weights and elementwise passes, not Python. Sampling (no input requires grad) calls
-`_forward` directly, without the autograd node; on a CPU it runs heads in groups of
-`HEAD_GROUP_BYTES` (every step is per head) so the elementwise passes stay in cache. One chunk's key
-statistics skip the merge, and a whole-image band takes the conv's own padding (no slab copy). A
-sequence that fits one chunk is one chunk with its text (`t5core.token_chunks`); a separate text chunk
-repeated the whole chain of ops for a few tokens: forward with one chunk against image + text chunks,
-60 alternated rounds, per-round medians of old / new, 4 x 64 heads, batch 2: 1.27x and 1.17x (2 and 1
-threads) at 144 + 8 tokens, 1.09x and 0.97x at 576 + 8; 24 x 64 heads at 1024 + 154: 1.10x and 1.01x.
-Measured in one process against SDPA, before (15c0262) and after, calls alternated (forward, no
-grad, 1 thread, medians, load 3-4 on 2 cores; 4 heads x 64 at 144 and 576 tokens, batch 2; 24 x 64
-at 1024, batch 2, and at 4096 + 154 text, batch 1), ms and the fraction of SDPA's time:
-
-    tokens            144            576            1024           4096 + 154
-    before       4.39 (6.33x)   14.6 (1.72x)   142 (0.90x)    284 (0.20x)
-    after        3.61 (5.21x)   12.5 (1.47x)   119 (0.76x)    260 (0.18x)
-    SDPA         0.69            8.5           157            1421
-
-T5's matmuls are 18 N D^2 flops per head against SDPA's 4 N^2 D: twice SDPA's at 144 tokens, half
-at 576; they run as small bmm at about half SDPA's rate, and the elementwise passes add the rest.
+Fixed cost. At small N a call's cost is its aten ops (about 60 per chunk): bmm with (D, D) weights
+and elementwise passes, not Python. Sampling (no input requires grad) calls `_forward` directly,
+without the autograd node; on a CPU it runs heads in groups of `HEAD_GROUP_BYTES` (every step is per
+head) so the elementwise passes stay in cache. One chunk's key statistics skip the merge, and a
+whole-image band takes the conv's own padding (no slab copy). A sequence that fits one chunk is one
+chunk with its text (`t5core.token_chunks`): a separate text chunk would repeat the whole chain of ops
+for a few tokens. T5's matmuls are 18 N D^2 flops per head against SDPA's 4 N^2 D, so below
+N = 4.5 D (288 tokens at D = 64) T5 does more matmul work than softmax attention.
 """
 
 from __future__ import annotations
@@ -119,7 +96,7 @@ def _key_stats(k: Tensor, chunks: list[Chunk], eps: float) -> tuple[Tensor, Tens
     Each chunk's mean and sum of squared deviations (two passes over the chunk) are merged with Chan's
     pairwise update, which keeps the variance exact where a sum of squares would cancel. The first
     chunk's statistics start the merge (no zero-filled accumulators), so a single chunk is these two
-    passes alone (`torch.var_mean` over dim 1 of this layout measured 8x slower on a CPU).
+    passes alone (`torch.var_mean` over dim 1 of this layout is much slower on a CPU).
     """
     mean = m2 = None
     count = 0

@@ -1,4 +1,5 @@
-"""ComfyUI in this process for the tests and benchmarks that need it (DESIGN.md section 6).
+"""ComfyUI in this process for the tests and benchmarks that need it (docs/comfyui.md, "How the tests run
+ComfyUI").
 
 ComfyUI is on no package registry and is never committed (upstream GPL code), so each machine
 unpacks its trees outside every repository. A tree is looked up in this order (`candidate_trees`):

@@ -1,9 +1,11 @@
 """The docs say what the code does: every page passes the docs checker (`python -m tools.docs_check`),
 the checker itself catches each kind of stale statement, `benchmarks/README.md` is what
-`python -m benchmarks.report` generates from the results, and the README keeps CI's test commands."""
+`python -m benchmarks.report` generates from the results, the README keeps CI's test commands, and
+the tracked files cite only what a clone holds."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -43,6 +45,68 @@ def test_readme_keeps_the_ci_test_commands():
         "COMFYUI_PATH=~/comfy/0.3.64 python -m pytest -m comfyui",
     ):
         assert command in lines
+
+
+OUTSIDE_FILE = re.compile(r"\b(?:DESIGN|STYLE)\.md\b|\bresearch notes\b|(?<![\w/.-])research/")
+"""A document the project keeps outside the repository: its design and style pages, its research notes."""
+TRACKER_NUMBER = re.compile(r"\b(?:issue|stop) #?\d+", re.IGNORECASE)
+"""A work item's number ("issue 12", "stop 3"): history, which belongs in commit messages, not in code."""
+NOT_SCANNED = ("tests/test_docs.py",)
+"""This file: its examples name what the scan forbids."""
+
+
+def citation_problems(text: str, name: str) -> list[str]:
+    """`name:line: ...` for each citation a clone cannot follow. A reference to a file outside the
+    repository fails in any tracked source, page or config (generated pages included); an issue or stop
+    number fails in Python files only, since in prose "issue" and "stop" are also plain words."""
+    problems = []
+    for number, line in enumerate(text.splitlines(), 1):
+        found = OUTSIDE_FILE.findall(line) + (TRACKER_NUMBER.findall(line) if name.endswith(".py") else [])
+        problems += [f"{name}:{number}: {match!r}" for match in found]
+    return problems
+
+
+def test_tracked_files_cite_only_what_the_repository_holds():
+    names = subprocess.run(
+        ["git", "ls-files", "*.py", "*.md", "*.toml"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    problems = [
+        problem
+        for name in names
+        if name not in NOT_SCANNED and (ROOT / name).is_file()
+        for problem in citation_problems((ROOT / name).read_text(encoding="utf-8"), name)
+    ]
+    assert not problems, "cite a page of docs/ instead; history goes in commit messages:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("text", "name"),
+    [
+        pytest.param("# the math (DESIGN.md section 2)", "t5core/x.py", id="design-in-code"),
+        pytest.param("See DESIGN.md, section 3.", "docs/x.md", id="design-in-docs"),
+        pytest.param('"""Forms follow STYLE.md."""', "tools/x.py", id="style"),
+        pytest.param("# measured in the research notes", "t5core/x.py", id="research-notes"),
+        pytest.param("# `research/kernels.md` section 2.3", "t5core/x.py", id="research-path"),
+        pytest.param("# one chunk with its text (issue 20)", "t5core/x.py", id="issue"),
+        pytest.param('"""Issue #12\'s goals."""', "benchmarks/x.py", id="issue-hash"),
+        pytest.param("# kept from stop 3", "tests/x.py", id="stop"),
+    ],
+)
+def test_citation_check_flags_what_a_clone_cannot_follow(text, name):
+    assert len(citation_problems(text, name)) == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "name"),
+    [
+        pytest.param('# see docs/method.md, "The inner step in closed form"', "t5core/x.py", id="docs-page"),
+        pytest.param("# stop at step 3; an issue with 2 heads", "t5core/x.py", id="plain-words"),
+        pytest.param("Known issue 2 of the list: stop 3 steps early.", "docs/x.md", id="prose"),
+        pytest.param("# docs/research/ would be ours", "t5core/x.py", id="repo-path"),
+    ],
+)
+def test_citation_check_passes_what_a_clone_holds(text, name):
+    assert citation_problems(text, name) == []
 
 
 def _problems(markdown: str, corpus: str) -> list[str]:

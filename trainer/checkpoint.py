@@ -122,7 +122,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _trained_seconds(state: dict[str, Any]) -> float:
-    """Seconds of training a checkpoint's run had spent (0 for checkpoints written before they were kept)."""
+    """Seconds of training a checkpoint's run had spent (0 for a checkpoint that does not record them)."""
     return float(state.get("trained_seconds", 0.0))
 
 

@@ -23,8 +23,7 @@ BROWSER_NAMES = ("chromium", "chromium-browser")
 DRIVER_NAME = "chromedriver"
 WINDOW_SIZE = (1600, 1000)  # a laptop-sized window; the page gets what the browser's own bars leave
 # How long to keep watching for an error overlay once a workflow is open. The frontend shows it
-# while it loads the graph (measured: in the same 20 ms poll that first sees the new graph), so
-# this is a wide margin.
+# while it loads the graph (by the first poll that sees the new graph), so this is a wide margin.
 SETTLE_S = 1.0
 
 # The hidden <input type=file> that the frontend's Open command (menu File > Open, Ctrl+O) clicks.

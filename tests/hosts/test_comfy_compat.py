@@ -112,7 +112,7 @@ def test_sampling_with_cfg_batched_or_split_gives_the_same_latents(model, weight
 
 def test_skip_layer_guidance_composes_with_t5(model, weights_all):
     """SLG replaces whole blocks for its extra pass (ComfyUI's `dit` / `double_block` patch), T5 or not:
-    with every module converted, skipping block 0 still changes the image (measured 0.63 relative)."""
+    with every module converted, skipping block 0 still changes the image (by about 0.63 relative)."""
     from comfy_extras.nodes_sd3 import SkipLayerGuidanceSD3
 
     from t5core.hosts.comfy import linearize
@@ -151,7 +151,7 @@ def test_model_attention_backend_before_t5_keeps_t5_on_the_converted_modules(mod
     out = comfy_tiny.run(linearize(backend, weights_all, layers="joint:1"), inputs)
     image, joint = 6 * 10, 6 * 10 + 7
     assert sorted(tokens) == [image, joint], "the chosen backend runs block 0 (joint and attn2), T5 block 1"
-    # the same softmax attention as ComfyUI's default, possibly another kernel: measured 3e-7
+    # the same softmax attention as ComfyUI's default, possibly another kernel: about 3e-7 apart
     assert relative_rms(t5_alone, out) < 1e-5
     assert relative_rms(comfy_tiny.run(backend, inputs), out) > 1e-2
 
@@ -197,5 +197,5 @@ def test_torch_compile_model_runs_t5_like_eager_without_recompiling_per_step(mod
         torch._dynamo.reset()
     assert len(seen) == 3 and seen[0] > before, f"graphs before sampling: {before}, after each step: {seen}"
     assert seen[-1] == seen[0], f"graphs after each step: {seen}"
-    # inductor fuses and reorders the fp32 math: measured ~1e-6
+    # inductor fuses and reorders the fp32 math: about 1e-6 apart
     assert relative_rms(eager, out) < 1e-5

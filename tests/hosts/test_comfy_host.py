@@ -18,7 +18,7 @@ from testing import comfy_tiny
 from testing.models import tiny_config
 
 # The diffusers and ComfyUI models compute the same fp32 math in a different order (fused vs split
-# qkv, text first vs last, different attention kernels); measured gaps are ~1e-6.
+# qkv, text first vs last, different attention kernels); the gaps are ~1e-6.
 PARITY_ATOL = 1e-4
 QKV = "joint_blocks.1.x_block.attn.qkv.weight"
 PROJ = "joint_blocks.0.x_block.attn2.proj.weight"

@@ -44,9 +44,10 @@ T5_VS_SOFTMAX = 0.5
 # LazyCache at this threshold skips 2 of the 6 T5 steps (3 of the softmax ones): it replaces a model
 # call by the last call's output - input difference
 LAZY_THRESHOLD = 0.5
-# ... which moves the latents by 0.13 (measured); a lost or misapplied T5 call would move them by ~1
+# ... which moves the latents by about 0.13 (docs/comfyui.md, "Chains tested"); a lost or misapplied
+# T5 call would move them by ~1
 CACHE_CLOSE = 0.25
-# the same math per cond, the second device's conds on a worker thread: measured bit-identical; the
+# the same math per cond, the second device's conds on a worker thread: bit-identical on CPU; the
 # bound leaves room for BLAS blocking chosen per thread, far below any lost patch (~1)
 SAME = 1e-6
 

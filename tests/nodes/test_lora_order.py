@@ -59,7 +59,7 @@ LORA_NAMES = {
 }
 RANK = 4
 # fp32 throughout; the same weights summed in another order (stored + (trained - stored) + LoRA), and
-# two sampling steps: measured ~1e-7; a LoRA or fine-tuned weight lost would be ~1e-1.
+# two sampling steps: ~1e-7 apart; a LoRA or fine-tuned weight lost would be ~1e-1.
 SAME = 1e-5
 
 

@@ -41,7 +41,7 @@ LEFT_OUT = (
     "joint_blocks.0.x_block.mlp.fc1.weight",
 )
 SCHEDULE_STEPS = 4
-SAME = 1e-5  # fp32, the same weights summed in another order: measured ~1e-7
+SAME = 1e-5  # fp32, the same weights summed in another order: ~1e-7 apart
 
 
 def _seeded_file(models: Path, name: str, seed: int) -> Path:

@@ -1,6 +1,6 @@
-"""The reference math: the inner model and loss against DESIGN.md's formulas computed by hand, closed
-form vs autograd, key-norm shift invariance, locality vs a direct convolution, token order, batch
-independence and low-precision inputs."""
+"""The reference math: the inner model and loss against the formulas of docs/method.md ("Per converted
+attention module") computed by hand, closed form vs autograd, key-norm shift invariance, locality vs
+a direct convolution, token order, batch independence and low-precision inputs."""
 
 import math
 
@@ -169,8 +169,8 @@ def _matvec(x: list[float], w: list[list[float]]) -> list[float]:
 
 
 def inner_model_by_hand(x: list[float], weights: list[list[list[float]]], variant: str) -> list[float]:
-    """f(x) of DESIGN.md section 2 for one token of one head, in Python floats: swiglu
-    (silu(x W1) * (x W2)) W3, mlp silu(x W1) W2."""
+    """f(x) of docs/method.md ("Per converted attention module") for one token of one head, in Python
+    floats: swiglu (silu(x W1) * (x W2)) W3, mlp silu(x W1) W2."""
     if variant == "swiglu":
         w1, w2, w3 = weights
         return _matvec([_silu(a) * b for a, b in zip(_matvec(x, w1), _matvec(x, w2), strict=True)], w3)

@@ -476,10 +476,11 @@ def _raw(path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("name", list(LEGACY_CONFIGS))
 def test_files_written_before_the_leaf_module_layout_load_and_save_bit_for_bit(tmp_path, name):
-    """Files of t5core 648bff5 (fast weights directly on `T5Attention`): modules built from them hold
-    the file's tensors to the bit, the same modules built today have the file's names, shapes and dtypes,
-    and saving them again writes the same tensors and metadata (the format is unchanged). The initial
-    values are not compared: they come from torch's random streams, which differ between torch builds."""
+    """Files written while `T5Attention` held its fast weights directly (tests/t5core/data/README.md):
+    modules built from them hold the file's tensors to the bit, the same modules built today have the
+    file's names, shapes and dtypes, and saving them again writes the same tensors and metadata (the
+    format is unchanged). The initial values are not compared: they come from torch's random streams,
+    which differ between torch builds."""
     legacy = LEGACY / f"{name}.safetensors"
     metadata, tensors = _raw(legacy)
     loaded = t5w.load(legacy)

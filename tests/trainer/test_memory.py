@@ -37,7 +37,7 @@ def test_components_follow_the_settings():
     assert no_ckpt.components["activations"] > 5 * ddp.components["activations"]
     teacher = plan_memory(COUNTS, SHAPE, dataclasses.replace(BASE, teacher_params=2_000_000_000))
     assert teacher.total_gib - ddp.total_gib == pytest.approx(2_000_000_000 * 2 / GIB)
-    # FSDP2 shards the teacher, held in the compute dtype as under DDP (it was counted in fp32).
+    # FSDP2 shards the teacher, held in the compute dtype as under DDP.
     fsdp_settings = dataclasses.replace(BASE, mode="fsdp2")
     fsdp_teacher = plan_memory(COUNTS, SHAPE, dataclasses.replace(fsdp_settings, teacher_params=2_000_000_000))
     assert fsdp_teacher.components["teacher"] == pytest.approx(2_000_000_000 * 2 / 4 / GIB)

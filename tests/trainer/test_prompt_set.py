@@ -153,7 +153,7 @@ def test_bf16_pipeline_generates_with_the_fp32_base(pipeline, tmp_path, monkeypa
 
 
 def test_finished_cache_made_with_other_settings_is_refused(pipeline, tmp_path):
-    """A finished cache is used as it is only with the settings it was made with (it was reused whatever they were)."""
+    """A finished cache is used as it is only with the settings it was made with."""
     cache = _generate(pipeline, tmp_path / "cache", prompt_limit=2)
     manifest = (cache / "manifest.json").read_bytes()
     assert _count(CacheSource(_generate(pipeline, cache, prompt_limit=2))) == 2

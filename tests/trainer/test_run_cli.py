@@ -51,7 +51,7 @@ def test_a_finished_run_is_left_untouched_and_says_how_to_train_again(inputs, tm
     first = capsys.readouterr().out
     assert "trained to step 2 (--training.steps reached), last loss" in first and "report.md" in first
     report = (out / "report.md").read_text()
-    assert "\n* converted_layers: blocks." in report  # a list is one line (lists were left out)
+    assert "\n* converted_layers: blocks." in report  # a list is one line
     before = _outputs(out)
 
     assert main(_argv(inputs, out)) == 0
@@ -113,9 +113,9 @@ def test_a_bad_config_file_is_one_line_without_a_traceback(tmp_path, capsys, tom
 
 
 def test_a_one_process_run_gives_no_ddp_stride_warning(inputs, tmp_path):
-    """DDP warned "Grad strides do not match bucket view strides" on every run while the torch path
-    was the plain reference (autograd's weight gradient of the locality conv, run on a channels-last
-    view, has other strides than DDP's bucket); the chunked path computes that gradient itself."""
+    """No "Grad strides do not match bucket view strides" warning from DDP: autograd's weight gradient of
+    the locality conv on a channels-last view would have other strides than DDP's bucket, and the
+    chunked path computes that gradient itself."""
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:

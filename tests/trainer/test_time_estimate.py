@@ -25,8 +25,8 @@ COUNTS = ParamCounts(trained=600_000_000, frozen=1_700_000_000, buffers=200_000_
 SHAPE = RunShape(batch_per_rank=4, image_tokens=4096, text_tokens=333, hidden=1536, depth=24)
 
 # What `torch.cuda.get_device_name` and nvidia-smi report, the card it is, and that card's dense
-# bf16 peak. Before the fix every "NVIDIA GeForce RTX ..." and "NVIDIA RTX ..." card got the RTX
-# 4090's 165 TFLOPS (a 3090 estimate 2.3x too fast) and the H20 was taken for an H200 or the reverse.
+# bf16 peak: each "NVIDIA GeForce RTX ..." and "NVIDIA RTX ..." card is its own (not an RTX 4090),
+# and the H20 and the H200 are told apart.
 KNOWN = [
     pytest.param("NVIDIA GeForce RTX 3090", "RTX 3090", 71.0, id="rtx3090"),
     pytest.param("NVIDIA GeForce RTX 4090", "RTX 4090", 165.0, id="rtx4090"),

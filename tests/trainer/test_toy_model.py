@@ -159,7 +159,7 @@ def test_sample_rejects_batch_mismatch(teacher):
 )
 def test_pretrain_refuses_a_bad_flag_before_training(tmp_path, capsys, flags, message):
     """Named by the script's own flag (not the trainer's --optim.*), before the 30-minute training and
-    before anything is written (a zero --eval-count used to fail after overwriting the weights)."""
+    before anything is written (the weights file included)."""
     from trainer.toy.pretrain import main
 
     with pytest.raises(SystemExit) as exit_info:
