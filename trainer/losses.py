@@ -36,7 +36,7 @@ __all__ = [
 
 def shift_sigmas(s: Tensor, shift: float) -> Tensor:
     """SD3's timestep shift, sigma = shift*s / (1 + (shift-1)*s): what training sigmas and sampling
-    schedules (`trainer.toy.model.sigma_schedule`) go through; shift 1 is the identity."""
+    schedules (`trainer.sampling.sigma_schedule`) go through; shift 1 is the identity."""
     return shift * s / (1 + (shift - 1) * s)
 
 

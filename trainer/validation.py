@@ -7,7 +7,7 @@ while the prompts and text encoders match (a digest in its metadata); the encode
 
 The loop calls the validator at step 0 of a fresh start, every `--validation.every` steps and at the last step
 (`trainer.loop.TrainParts.validate`). Each call samples every prompt with T5 from fixed noise (flow-matching
-Euler, `trainer.toy.model.sample`, at the base scheduler's shift, in the run's precision) and measures the
+Euler, `trainer.sampling.sample`, at the base scheduler's shift, in the run's precision) and measures the
 flow-matching loss on the held-out samples with fixed noise and timesteps, so `val/loss` compares across
 steps. At step 0 it does both with the softmax teacher too (`T5Handle.softmax`, while the inherited weights
 are still the base's): `val/teacher_loss`, and the teacher's latents, kept in `teacher.safetensors` for the
@@ -42,10 +42,10 @@ from trainer.losses import shift_sigmas, step_losses
 from trainer.metrics import read_metrics
 from trainer.prepare import encode_text, load_encoding_pipeline, read_prompts, release_device_memory
 from trainer.prompt_set import default_prompts
+from trainer.sampling import Conditioning, sample
 from trainer.seeds import derived_seed
 from trainer.single_file import load_vae
 from trainer.sources import PipelineFiles, find_text_parts
-from trainer.toy.model import ToyCond, sample
 
 __all__ = [
     "DECODE_BATCH",
@@ -361,7 +361,7 @@ class Validator:
         for start in range(0, len(prompts.prompts), SAMPLE_BATCH):
             rows = slice(start, start + SAMPLE_BATCH)
             count = prompts.context[rows].shape[0]
-            cond = ToyCond(
+            cond = Conditioning(
                 prompts.context[rows].to(device),
                 prompts.pooled[rows].to(device),
                 prompts.empty_context.expand(count, -1, -1).to(device),

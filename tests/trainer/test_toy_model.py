@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from trainer.sampling import sample, sigma_schedule
 from trainer.toy.data import make_batch
 from trainer.toy.eval import eval_set, generate, sample_hits
 from trainer.toy.model import (
@@ -19,8 +20,6 @@ from trainer.toy.model import (
     build_toy_model,
     load_toy_base,
     load_toy_record,
-    sample,
-    sigma_schedule,
 )
 from trainer.toy.pretrain import PretrainConfig
 from trainer.toy.reference import samples_file

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from trainer.config import LossConfig
 from trainer.losses import sample_sigmas, step_losses
+from trainer.sampling import sample
 from trainer.toy.data import (
     COLORS,
     IMAGE_SIZE,
@@ -37,7 +38,7 @@ from trainer.toy.data import (
     decode_latents,
     make_batch,
 )
-from trainer.toy.model import ToyCond, sample
+from trainer.toy.model import ToyCond
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The toy base model: a miniature SD3.5-Medium MMDiT, its shipped weights, and a flow-matching sampler.
+"""The toy base model: a miniature SD3.5-Medium MMDiT, its shipped weights, and its captions' conditioning.
 
 The architecture keeps everything the conversion depends on in SD3.5 Medium (q/k RMSNorm, image-only
 `attn2` in the first half of the blocks, patch 2, 16 latent channels, a `context_pre_only` last
@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
 
 from t5core.config import BaseArch
 from t5core.sd3_keys import sd3_to_diffusers
-from trainer.losses import predict_velocity, shift_sigmas
+from trainer.sampling import Conditioning
 from trainer.toy.data import IMAGE_SIZE, JOINT_ATTENTION_DIM, LATENT_CHANNELS, POOLED_DIM, embed_captions
 
 if TYPE_CHECKING:
@@ -41,8 +40,6 @@ __all__ = [
     "build_toy_model",
     "load_toy_base",
     "load_toy_record",
-    "sample",
-    "sigma_schedule",
     "toy_arch",
 ]
 
@@ -121,72 +118,15 @@ def load_toy_record(path: Path | str = RECORD_FILE) -> dict:
 
 
 @dataclass(frozen=True, slots=True)
-class ToyCond:
-    """Conditional and unconditional text conditioning for a batch of captions.
+class ToyCond(Conditioning):
+    """`Conditioning` of toy captions, embedded by the toy's fixed caption embedding.
 
     Shapes: `context`, `context_uncond` (B, T, JOINT_ATTENTION_DIM); `pooled`, `pooled_uncond`
     (B, POOLED_DIM).
     """
-
-    context: Tensor
-    pooled: Tensor
-    context_uncond: Tensor
-    pooled_uncond: Tensor
 
     @classmethod
     def from_captions(cls, texts: list[str] | tuple[str, ...]) -> ToyCond:
         context, pooled = embed_captions([str(t) for t in texts])
         context_uncond, pooled_uncond = embed_captions([""] * len(texts))
         return cls(context, pooled, context_uncond, pooled_uncond)
-
-
-def sigma_schedule(steps: int, *, shift: float = TOY_SHIFT) -> Tensor:
-    """Flow-matching sigmas from 1 to 0 (`steps + 1` values), shifted as SD3's scheduler does."""
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1; got {steps}.")
-    s = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
-    return shift_sigmas(s, shift).float()
-
-
-@torch.no_grad()
-def sample(
-    model, cond: ToyCond, noise: Tensor, steps: int = 20, cfg: float = 3.0, *, shift: float = TOY_SHIFT
-) -> Tensor:
-    """Euler sampling of the flow-matching ODE from `noise` (sigma = 1) to latents (sigma = 0).
-
-    Works for the softmax model and for any linearized one (the T5 host hook supplies the grid).
-    Cond and uncond run as one batch, as in ComfyUI and diffusers.
-
-    Args:
-        model: an `SD3Transformer2DModel` (possibly linearized).
-        cond (`ToyCond`): text conditioning for B samples.
-        noise (`Tensor`): `(B, 16, h, w)` starting latents.
-        steps (`int`, *optional*, defaults to 20): Euler steps.
-        cfg (`float`, *optional*, defaults to 3.0): classifier-free guidance scale; 1 disables it.
-        shift (`float`, *optional*, defaults to `TOY_SHIFT`): sigma shift.
-
-    Returns:
-        `(B, 16, h, w)` latents in the dtype of `noise`.
-    """
-    if noise.shape[0] != cond.context.shape[0]:
-        raise ValueError(
-            f"noise has batch {noise.shape[0]} but cond has {cond.context.shape[0]}; give one caption per sample."
-        )
-    dtype = next(model.parameters()).dtype
-    x = noise.to(dtype)
-    guided = cfg != 1.0
-    context = torch.cat([cond.context, cond.context_uncond]) if guided else cond.context
-    pooled = torch.cat([cond.pooled, cond.pooled_uncond]) if guided else cond.pooled
-    context, pooled = context.to(dtype), pooled.to(dtype)
-    sigmas = sigma_schedule(steps, shift=shift)
-    for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:], strict=True):
-        if guided:
-            x_both = torch.cat([x, x])
-            v_cond, v_uncond = predict_velocity(
-                model, x_both, sigma.expand(len(x_both)), context=context, pooled=pooled
-            ).chunk(2)
-            velocity = v_uncond + cfg * (v_cond - v_uncond)
-        else:
-            velocity = predict_velocity(model, x, sigma.expand(len(x)), context=context, pooled=pooled)
-        x = x + (sigma_next - sigma).to(dtype) * velocity
-    return x.to(noise.dtype)
