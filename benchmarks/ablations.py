@@ -3,7 +3,7 @@
     python -m benchmarks.ablations                          # every row, seeds 0 1 2 (about 100 min on 2 cores)
     python -m benchmarks.ablations --rows t5 no-keynorm --seeds 0 --steps 20 --eval-count 12
 
-Each row starts from the shipped softmax teacher (`trainer/toy/weights`), converts it with the
+Each row starts from the shipped softmax teacher (`sd3_testbed/weights`), converts it with the
 trainer's `trainer.model.build_student` (or keeps softmax, or swaps in plain linear attention), then
 fine-tunes every parameter for the same number of steps on the same batches with the trainer's
 recipe parts and, unless flags change it, the default toy run's recipe (`python trainer/run.py`:
@@ -15,7 +15,7 @@ seed fixes the T5 initialisation and the fine-tune batches.
 
 Besides ToyEval at the training size (48 px, 144 image tokens) every run reports the validation
 loss at 4x the tokens (96 px, 576 tokens); `--wide-rows` also get ToyEval at 96 px, where the paper
-says key normalisation matters, and the artifact measures of `trainer.toy.artifacts`: the background
+says key normalisation matters, and the artifact measures of `sd3_testbed.artifacts`: the background
 levels as seen (after the decoder's clamp) and the open background before it (bias, noise, token
 pattern). Results are written after every run and a rerun skips the (row,
 seed) pairs already in the JSON file, so an interrupted sweep resumes.
@@ -38,15 +38,10 @@ from torch import Tensor, nn
 
 from benchmarks.timing import RESULTS_DIR, header_line, write_json
 from benchmarks.toy_cache import CACHE, toy_samples
-from t5core.sd3_keys import diffusers_module
-from trainer.config import LossConfig, ModelConfig, OptimConfig, TrainConfig
-from trainer.model import ParamSplit, build_student
-from trainer.optim import build_optimizer, build_scheduler, optimizer_step
-from trainer.seeds import derived_seed
-from trainer.toy.artifacts import background_error, background_level, open_background_level, token_period_energy
-from trainer.toy.baselines import PlainLinearAttention, reinit_inherited
-from trainer.toy.data import IMAGE_SIZE, make_batch
-from trainer.toy.eval import (
+from sd3_testbed.artifacts import background_error, background_level, open_background_level, token_period_energy
+from sd3_testbed.baselines import PlainLinearAttention, reinit_inherited
+from sd3_testbed.data import IMAGE_SIZE, make_batch
+from sd3_testbed.eval import (
     ToyEvalScore,
     batch_loss,
     eval_set,
@@ -56,8 +51,13 @@ from trainer.toy.eval import (
     toy_eval,
     validation_loss,
 )
-from trainer.toy.model import WEIGHTS_FILE, load_toy_base
-from trainer.toy.stats import paired_difference
+from sd3_testbed.model import WEIGHTS_FILE, load_toy_base
+from sd3_testbed.stats import paired_difference
+from t5core.sd3_keys import diffusers_module
+from trainer.config import LossConfig, ModelConfig, OptimConfig, TrainConfig
+from trainer.model import ParamSplit, build_student
+from trainer.optim import build_optimizer, build_scheduler, optimizer_step
+from trainer.seeds import derived_seed
 
 logger = logging.getLogger(__name__)
 

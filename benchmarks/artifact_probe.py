@@ -8,7 +8,7 @@ of each converted module's output error against softmax is the same at every ima
 Samples: the evaluation set's first `--count` captions and noise for the teacher and for the shipped
 teacher converted with FILE (`t5core.hosts.diffusers.linearize`, torch backend); the background
 level, the open-background level, the open background before the decoder's clamp (bias, noise, token
-pattern: `trainer.toy.artifacts.background_error`) and ToyEval of both.
+pattern: `sd3_testbed.artifacts.background_error`) and ToyEval of both.
 
 Modules: while the T5 model samples, each converted module's T5 output on its image rows is compared
 with softmax attention over the same q, k, v (what the module would compute unconverted, with its
@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from benchmarks.timing import header_line, write_json
+from sd3_testbed.artifacts import background_error, background_level, open_background_level, token_period_energy
+from sd3_testbed.eval import toy_eval
+from sd3_testbed.model import load_toy_base
 from t5core.attention import T5Attention
 from t5core.hosts.diffusers import linearize
-from trainer.toy.artifacts import background_error, background_level, open_background_level, token_period_energy
-from trainer.toy.eval import toy_eval
-from trainer.toy.model import load_toy_base
 
 
 @dataclass
@@ -54,7 +54,7 @@ class ErrorEnergy:
         self.error += error.square().sum().item()
         self.constant += (error.mean(dim=1).square().sum() * error.shape[1]).item()
         self.reference += softmax_out.float().square().sum().item()
-        if guided:  # cond rows first, then uncond (trainer.toy.model.sample)
+        if guided:  # cond rows first, then uncond (sd3_testbed.model.sample)
             for name, out in (("t5", t5_out), ("softmax", softmax_out)):
                 cond, uncond = out.float().chunk(2)
                 self.cond[name] += cond.square().sum().item()

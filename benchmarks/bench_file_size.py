@@ -52,7 +52,7 @@ SD35_BASE_DTYPE = "16-bit"
 def _toy_model():
     from diffusers import SD3Transformer2DModel
 
-    from trainer.toy.model import TOY_CONFIG
+    from sd3_testbed.model import TOY_CONFIG
 
     with torch.device("meta"):
         return SD3Transformer2DModel(**TOY_CONFIG)
@@ -109,10 +109,10 @@ def toy_cost(path: Path, *, samples: int) -> tuple[list[dict], float]:
     Raises:
         ValueError: the file has no deltas, or not in fp32.
     """
+    from sd3_testbed.eval import teacher_distance, toy_eval, validation_loss
+    from sd3_testbed.model import load_toy_base
     from t5core import weights as t5w
     from t5core.hosts.diffusers import linearize as linearize_diffusers
-    from trainer.toy.eval import teacher_distance, toy_eval, validation_loss
-    from trainer.toy.model import load_toy_base
 
     loaded = t5w.load(path)
     stored = [t for delta in loaded.deltas.values() for t in delta.stored().values()]

@@ -23,10 +23,10 @@ from functools import partial
 import torch
 
 from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, spread, summarize, time_in_turn, write_json
+from sd3_testbed.data import LATENT_CHANNELS, all_captions
+from sd3_testbed.model import ToyCond, load_toy_base
 from t5core.hosts.diffusers import linearize
 from trainer.sampling import sample
-from trainer.toy.data import LATENT_CHANNELS, all_captions
-from trainer.toy.model import ToyCond, load_toy_base
 
 logger = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.timing import header_line, write_json
+from sd3_testbed.data import make_batch
+from sd3_testbed.model import build_toy_model, load_toy_base
 from trainer.losses import add_noise, predict_velocity
-from trainer.toy.data import make_batch
-from trainer.toy.model import build_toy_model, load_toy_base
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ work on a fine-tune of the teacher, as a file trained on SD3.5 should on a commu
 
 The fine-tune is the shipped teacher trained further, every weight with softmax attention, on the
 `rotated` palette (each colour word renders as the next word's colour) by the teacher's own pretraining
-code (`trainer.toy.pretrain`, recipe `FINETUNE`). It is made once and cached under
+code (`sd3_testbed.pretrain`, recipe `FINETUNE`). It is made once and cached under
 `benchmarks/results/.cache/`, named by a digest of the teacher file and the recipe. The rows:
 
 * the teacher with softmax, and the teacher + the delta file, on the teacher's palette: the file on the
@@ -19,7 +19,7 @@ code (`trainer.toy.pretrain`, recipe `FINETUNE`). It is made once and cached und
 
 Every row samples the same captions and noise (`eval_set(samples, seed=s)` for each seed). It reports
 ToyEval per attribute with the per-sample hits, the paired difference against the row's reference with
-a 95% bootstrap interval (`trainer.toy.stats`, the samples of every seed pooled: the models are fixed, so
+a 95% bootstrap interval (`sd3_testbed.stats`, the samples of every seed pooled: the models are fixed, so
 samples are the only source of spread), the colour read in the teacher's palette (which palette a model
 draws in) and the flow-matching validation loss on held-out batches in the row's palette.
 """
@@ -40,12 +40,12 @@ from safetensors.torch import load_file
 
 from benchmarks.timing import RESULTS_DIR, header_line, write_json
 from benchmarks.toy_cache import CACHE, file_digest, toy_model, toy_samples
+from sd3_testbed.data import PALETTES
+from sd3_testbed.eval import ATTRIBUTES, eval_set, sample_hits, score_hits, validation_loss
+from sd3_testbed.model import WEIGHTS_FILE
+from sd3_testbed.pretrain import PretrainConfig, export_teacher, train_teacher
+from sd3_testbed.stats import paired_difference
 from t5core.weights import T5Weights, build_modules, load, save
-from trainer.toy.data import PALETTES
-from trainer.toy.eval import ATTRIBUTES, eval_set, sample_hits, score_hits, validation_loss
-from trainer.toy.model import WEIGHTS_FILE
-from trainer.toy.pretrain import PretrainConfig, export_teacher, train_teacher
-from trainer.toy.stats import paired_difference
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ EXTRA_PAIRS: tuple[tuple[str, str], ...] = (("finetune+deltas", "finetune+absolu
 
 
 def finetuned_teacher(cfg: PretrainConfig, cache: Path, *, progress: bool = True) -> Path:
-    """The teacher fine-tuned with `cfg` (`trainer.toy.pretrain`), written in SD3 naming under `cache`
+    """The teacher fine-tuned with `cfg` (`sd3_testbed.pretrain`), written in SD3 naming under `cache`
     and named by a digest of the teacher file and the recipe (`cfg.training()`); made only when not there yet."""
     made_of = json.dumps({"teacher": file_digest(WEIGHTS_FILE), "recipe": cfg.training()}, sort_keys=True)
     path = cache / f"finetune-{hashlib.sha256(made_of.encode()).hexdigest()[:16]}.safetensors"

@@ -11,7 +11,7 @@ level as ComfyUI's `percent_to_sigma` does for SD3's flow sampling (`shift_sigma
 samples with shift 1), so 10% of 20 steps is the first 2. The softmax teacher is the first row.
 
 It reports ToyEval with the per-sample hits, the paired difference against the first start (T5 on every
-step by default) and against the teacher (95% bootstrap intervals, `trainer.toy.stats`), the RMS pixel
+step by default) and against the teacher (95% bootstrap intervals, `sd3_testbed.stats`), the RMS pixel
 distance to the teacher's images from the same noise, and the sampling time of one batch relative to the
 teacher's, each row timed in turn in every round (`benchmarks.timing.time_in_turn`).
 """
@@ -26,11 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.timing import RESULTS_DIR, SPEEDUP_VS_SOFTMAX, header_line, speedup, spread, time_in_turn, write_json
+from sd3_testbed.eval import ATTRIBUTES, eval_set, generate, sample_hits, score_hits, teacher_distance
+from sd3_testbed.model import TOY_SHIFT, load_toy_base
+from sd3_testbed.stats import paired_difference
 from t5core.hosts.diffusers import T5Handle, linearize
 from trainer.losses import shift_sigmas
-from trainer.toy.eval import ATTRIBUTES, eval_set, generate, sample_hits, score_hits, teacher_distance
-from trainer.toy.model import TOY_SHIFT, load_toy_base
-from trainer.toy.stats import paired_difference
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from sd3_testbed.eval import eval_set, generate
+from sd3_testbed.model import load_toy_base
 from t5core.atomic import write_atomic
 from t5core.file_stamp import sha256_file
 from t5core.hosts.diffusers import linearize
-from trainer.toy.eval import eval_set, generate
-from trainer.toy.model import load_toy_base
 
 __all__ = ["CACHE", "file_digest", "toy_model", "toy_samples"]
 

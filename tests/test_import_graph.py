@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("t5core", "t5kernels", "trainer", "nodes")
+PACKAGES = ("t5core", "t5kernels", "trainer", "sd3_testbed", "nodes")
 
 
 def _modules() -> dict[str, Path]:

@@ -35,11 +35,29 @@ DOC_FILES = (
     "benchmarks/README.md",
 )
 # Top-level entries of the repository: a backticked token starting with one of these is a path to check.
-REPO_ENTRIES = ("t5core", "t5kernels", "nodes", "trainer", "benchmarks", "tools", "testing", "tests", "workflows")
+REPO_ENTRIES = (
+    "t5core",
+    "t5kernels",
+    "nodes",
+    "trainer",
+    "sd3_testbed",
+    "benchmarks",
+    "tools",
+    "testing",
+    "tests",
+    "workflows",
+)
 REPO_ENTRIES += ("docs", ".ci")
 REPO_FILES = ("README.md", "pyproject.toml", "__init__.py")
-PACKAGES = ("t5core", "t5kernels", "trainer", "benchmarks", "tools")
-SOURCE_GLOBS = ("t5core/**/*.py", "t5kernels/**/*.py", "nodes/**/*.py", "trainer/**/*.py", "benchmarks/**/*.py")
+PACKAGES = ("t5core", "t5kernels", "trainer", "sd3_testbed", "benchmarks", "tools")
+SOURCE_GLOBS = (
+    "t5core/**/*.py",
+    "t5kernels/**/*.py",
+    "nodes/**/*.py",
+    "trainer/**/*.py",
+    "sd3_testbed/**/*.py",
+    "benchmarks/**/*.py",
+)
 SOURCE_GLOBS += ("tools/*.py", "benchmarks/*.sh", "testing/*.py", "tests/**/*.py", ".ci/run", "pyproject.toml")
 NOT_IN_CORPUS = ("tools/docs_check.py", "tests/test_docs.py")
 """This checker and its tests: they name flags, variables and files that do not exist on purpose."""

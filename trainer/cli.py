@@ -3,7 +3,7 @@
 Each field `x` of section `s` is the flag `--s.x` and the key `x` of the TOML table `[s]`; its help
 text is the field's docstring. Precedence: defaults < `--config FILE` < flags. Unknown TOML keys are
 errors (a typo never passes silently). `add_flags` is the one flag generator: the trainer's other
-commands (`trainer/push.py`, `python -m trainer.toy.pretrain`) build their flags with it too.
+commands (`trainer/push.py`, `python -m sd3_testbed.pretrain`) build their flags with it too.
 """
 
 from __future__ import annotations

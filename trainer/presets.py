@@ -65,7 +65,7 @@ class ModelPreset:
 
 
 _REGISTRY: dict[str, ModelPreset] = {}
-_BUILTIN: dict[str, str] = {"toy": "trainer.toy.preset"}
+_BUILTIN: dict[str, str] = {"toy": "sd3_testbed.preset"}
 """Built-in preset name -> the module that registers it when imported."""
 
 

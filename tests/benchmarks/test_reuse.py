@@ -17,10 +17,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from sd3_testbed.model import WEIGHTS_FILE, load_toy_base
 from t5core.hosts.diffusers import linearize
 from t5core.weights import load
 from trainer.cli import parse_args
-from trainer.toy.model import WEIGHTS_FILE, load_toy_base
 from trainer.train import run as train
 
 ROOT = Path(__file__).resolve().parents[2]

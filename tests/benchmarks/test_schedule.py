@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
+from sd3_testbed.eval import eval_set, generate, teacher_distance
+from sd3_testbed.model import load_toy_base
 from t5core.hosts.diffusers import linearize
 from trainer.cli import parse_args
-from trainer.toy.eval import eval_set, generate, teacher_distance
-from trainer.toy.model import load_toy_base
 from trainer.train import run as train
 
 ROOT = Path(__file__).resolve().parents[2]

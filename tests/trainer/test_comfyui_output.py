@@ -10,13 +10,13 @@ import os
 
 import pytest
 
+from sd3_testbed.model import WEIGHTS_FILE
 from testing.trainer_assets import write_base, write_cache
 from tests.trainer.test_run_cli import _argv as cli_argv
 from trainer.cli import parse_args
 from trainer.config import ModelConfig
 from trainer.model_card import base_digests, card_name, model_card
 from trainer.run import main
-from trainer.toy.model import WEIGHTS_FILE
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +202,8 @@ def test_a_toy_run_installed_in_comfyui_runs_in_the_node_as_it_ran_in_the_traine
     import folder_paths
     import torch
 
+    from sd3_testbed.data import embed_captions
     from testing.comfy_tiny import predict
-    from trainer.toy.data import embed_captions
     from trainer.train import run
 
     name = "toy_installed_t5.safetensors"

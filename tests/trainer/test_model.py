@@ -173,5 +173,5 @@ def test_the_base_precision_of_a_diffusers_folder_and_of_the_toy(tmp_path):
     assert base_checkpoint_dtype(ModelConfig(base=str(tmp_path / "pipeline"))) == torch.bfloat16
     write_base(tmp_path / "fp32")
     assert base_checkpoint_dtype(ModelConfig(base=str(tmp_path / "fp32"))) == torch.float32
-    # the toy's weights file is fp16 (trainer/toy/weights/toy_sd35.json records the recipe's dtype)
+    # the toy's weights file is fp16 (sd3_testbed/weights/toy_sd35.json records the recipe's dtype)
     assert base_checkpoint_dtype(ModelConfig()) == torch.float16

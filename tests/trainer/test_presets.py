@@ -11,10 +11,10 @@ import pytest
 import safetensors.torch
 import torch
 
+from sd3_testbed import preset, report
 from trainer.cli import parse_args
 from trainer.config import TrainingConfig
 from trainer.presets import get_preset, preset_data_sources, register_preset
-from trainer.toy import preset, report
 
 
 def test_the_toy_is_a_registered_preset_with_its_own_data():

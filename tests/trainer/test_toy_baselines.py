@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sd3_testbed.baselines import PlainLinearAttention, reinit_inherited
 from testing.models import tiny_transformer
-from trainer.toy.baselines import PlainLinearAttention, reinit_inherited
 
 
 def _quadratic_linear_attention(q, k, v):

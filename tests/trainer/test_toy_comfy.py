@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from trainer.toy.data import embed_captions
-from trainer.toy.model import TOY_CONFIG, WEIGHTS_FILE, load_toy_base
+from sd3_testbed.data import embed_captions
+from sd3_testbed.model import TOY_CONFIG, WEIGHTS_FILE, load_toy_base
 
 
 def test_comfyui_loads_the_toy_as_sd3_and_matches_diffusers(comfy):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.toy.data import (
+from sd3_testbed.data import (
     COLORS,
     IMAGE_SIZE,
     JOINT_ATTENTION_DIM,

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from trainer.toy.data import COLORS, Caption, decode_latents, make_batch, render
-from trainer.toy.eval import read_images, sample_hits, score_images, teacher_distance, validation_loss
-from trainer.toy.model import build_toy_model
+from sd3_testbed.data import COLORS, Caption, decode_latents, make_batch, render
+from sd3_testbed.eval import read_images, sample_hits, score_images, teacher_distance, validation_loss
+from sd3_testbed.model import build_toy_model
 
 CHANCE = {"color": 1 / 6, "shape": 1 / 3, "position": 1 / 5, "size": 1 / 2}
 

@@ -7,13 +7,13 @@ import itertools
 import pytest
 import torch
 
-from trainer.toy.artifacts import (
+from sd3_testbed.artifacts import (
     background_error,
     background_level,
     open_background_level,
     token_period_energy,
 )
-from trainer.toy.stats import paired_difference
+from sd3_testbed.stats import paired_difference
 
 
 def test_paired_difference_mean_is_the_mean_of_hit_differences():

@@ -9,10 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from trainer.sampling import sample, sigma_schedule
-from trainer.toy.data import make_batch
-from trainer.toy.eval import eval_set, generate, sample_hits
-from trainer.toy.model import (
+from sd3_testbed.data import make_batch
+from sd3_testbed.eval import eval_set, generate, sample_hits
+from sd3_testbed.model import (
     TOY_CONFIG,
     WEIGHTS_DIR,
     WEIGHTS_FILE,
@@ -21,8 +20,9 @@ from trainer.toy.model import (
     load_toy_base,
     load_toy_record,
 )
-from trainer.toy.pretrain import PretrainConfig
-from trainer.toy.reference import samples_file
+from sd3_testbed.pretrain import PretrainConfig
+from sd3_testbed.reference import samples_file
+from trainer.sampling import sample, sigma_schedule
 
 REPRO_SAMPLES = 24
 
@@ -68,7 +68,7 @@ def test_diffusers_single_file_loader_agrees_with_our_key_map(teacher):
 
 
 def test_record_is_of_the_pretrain_scripts_default_recipe():
-    # `python -m trainer.toy.pretrain` with no arguments remakes the shipped teacher.
+    # `python -m sd3_testbed.pretrain` with no arguments remakes the shipped teacher.
     assert load_toy_record()["recipe"] == asdict(PretrainConfig())
 
 
@@ -159,7 +159,7 @@ def test_sample_rejects_batch_mismatch(teacher):
 def test_pretrain_refuses_a_bad_flag_before_training(tmp_path, capsys, flags, message):
     """Named by the script's own flag (not the trainer's --optim.*), before the 30-minute training and
     before anything is written (the weights file included)."""
-    from trainer.toy.pretrain import main
+    from sd3_testbed.pretrain import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([*flags, "--out", str(tmp_path / "teacher.safetensors")])
@@ -169,8 +169,8 @@ def test_pretrain_refuses_a_bad_flag_before_training(tmp_path, capsys, flags, me
 
 
 def test_the_teacher_record_draws_its_evaluation_set_once(tmp_path, monkeypatch):
-    from trainer.toy import eval as toy_eval_module
-    from trainer.toy import pretrain
+    from sd3_testbed import eval as toy_eval_module
+    from sd3_testbed import pretrain
 
     drawn = []
 

@@ -10,11 +10,11 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from trainer.toy import pretrain
-from trainer.toy.data import COLORS, PALETTES, make_batch
-from trainer.toy.eval import score_images
-from trainer.toy.model import load_toy_base
-from trainer.toy.pretrain import PretrainConfig, train_teacher
+from sd3_testbed import pretrain
+from sd3_testbed.data import COLORS, PALETTES, make_batch
+from sd3_testbed.eval import score_images
+from sd3_testbed.model import load_toy_base
+from sd3_testbed.pretrain import PretrainConfig, train_teacher
 
 DEFAULT_IMAGES_SHA256 = "38b0d38f0669c08400738860b420526a2f9253882fff8b0e472b02c941b402f5"
 """sha256 of `make_batch(64, seed=2026, drop_text=0.3).images` as rendered before palettes existed."""

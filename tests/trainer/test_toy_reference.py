@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-from trainer.toy.eval import eval_set, generate
-from trainer.toy.model import WEIGHTS_FILE, load_toy_base
-from trainer.toy.reference import TOY_EVAL, EvalSettings, samples_file, save_teacher_samples, teacher_samples
+from sd3_testbed.eval import eval_set, generate
+from sd3_testbed.model import WEIGHTS_FILE, load_toy_base
+from sd3_testbed.reference import TOY_EVAL, EvalSettings, samples_file, save_teacher_samples, teacher_samples
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def teacher_file(tmp_path):
 def test_the_shipped_samples_are_the_shipped_teacher_sampled_here():
     stored = teacher_samples(180)
     assert stored is not None, (
-        f"{samples_file(WEIGHTS_FILE)} is missing or stale: python -m trainer.toy.pretrain --record-only"
+        f"{samples_file(WEIGHTS_FILE)} is missing or stale: python -m sd3_testbed.pretrain --record-only"
     )
     captions, noise = eval_set(4, seed=TOY_EVAL.seed)
     fresh = generate(load_toy_base(), captions, noise, steps=TOY_EVAL.steps, cfg=TOY_EVAL.cfg, clamp=False)
@@ -43,7 +43,7 @@ def test_stored_samples_round_trip_and_serve_any_smaller_set(teacher_file):
     "other", [EvalSettings(seed=1), EvalSettings(steps=10), EvalSettings(cfg=1.0), EvalSettings(size=32)]
 )
 def test_samples_made_with_other_settings_are_not_used(teacher_file, other, caplog):
-    caplog.set_level(logging.INFO, logger="trainer.toy.reference")
+    caplog.set_level(logging.INFO, logger="sd3_testbed.reference")
     save_teacher_samples(torch.zeros(2, 3, 48, 48), TOY_EVAL, teacher=teacher_file)
     assert teacher_samples(2, other, teacher=teacher_file) is None
     assert "do not fit" in caplog.text

@@ -9,13 +9,13 @@ import pytest
 import torch
 from PIL import Image
 
+from sd3_testbed.artifacts import background_level, open_background_level, token_period_energy
+from sd3_testbed.data import IMAGE_SIZE
+from sd3_testbed.eval import eval_set, generate, sample_hits
+from sd3_testbed.model import build_toy_model
+from sd3_testbed.reference import EvalSettings
+from sd3_testbed.report import compare, write_grid
 from trainer.export import write_report
-from trainer.toy.artifacts import background_level, open_background_level, token_period_energy
-from trainer.toy.data import IMAGE_SIZE
-from trainer.toy.eval import eval_set, generate, sample_hits
-from trainer.toy.model import build_toy_model
-from trainer.toy.reference import EvalSettings
-from trainer.toy.report import compare, write_grid
 
 ONE_STEP = EvalSettings(steps=1)
 

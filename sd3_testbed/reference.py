@@ -1,11 +1,11 @@
 """The shipped teacher's ToyEval samples, so that a run's evaluation samples only its student.
 
 The teacher and the evaluation set are fixed, so the teacher's samples are the same in every run: the
-pretraining script (`python -m trainer.toy.pretrain`, or `--record-only` for the shipped file) writes
+pretraining script (`python -m sd3_testbed.pretrain`, or `--record-only` for the shipped file) writes
 them beside the teacher as `<teacher>_eval.safetensors`, raw (before the decoder's clamp), with what made
 them in the file's metadata. `teacher_samples` returns them only when all of it matches: the teacher
 file's digest, the evaluation seed, steps, CFG and image size, and at least `count` samples (the first k
-samples of a larger set are exactly the set of size k, `trainer.toy.eval.eval_set`).
+samples of a larger set are exactly the set of size k, `sd3_testbed.eval.eval_set`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from sd3_testbed.data import IMAGE_SIZE
+from sd3_testbed.model import WEIGHTS_FILE
 from t5core.atomic import write_atomic
 from t5core.file_stamp import sha256_file
-from trainer.toy.data import IMAGE_SIZE
-from trainer.toy.model import WEIGHTS_FILE
 
 __all__ = ["TOY_EVAL", "EvalSettings", "samples_file", "save_teacher_samples", "teacher_samples"]
 

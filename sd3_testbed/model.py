@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sd3_testbed.data import IMAGE_SIZE, JOINT_ATTENTION_DIM, LATENT_CHANNELS, POOLED_DIM, embed_captions
 from t5core.config import BaseArch
 from t5core.sd3_keys import sd3_to_diffusers
 from trainer.sampling import Conditioning
-from trainer.toy.data import IMAGE_SIZE, JOINT_ATTENTION_DIM, LATENT_CHANNELS, POOLED_DIM, embed_captions
 
 if TYPE_CHECKING:
     from diffusers import SD3Transformer2DModel
@@ -45,7 +45,7 @@ __all__ = [
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 WEIGHTS_FILE = WEIGHTS_DIR / "toy_sd35.safetensors"
-"""The shipped softmax teacher, SD3 checkpoint naming, written by `trainer/toy/pretrain.py`."""
+"""The shipped softmax teacher, SD3 checkpoint naming, written by `sd3_testbed/pretrain.py`."""
 RECORD_FILE = WEIGHTS_DIR / "toy_sd35.json"
 """How the shipped teacher was made and its measured ToyEval."""
 
@@ -99,13 +99,13 @@ def load_toy_base(*, path: Path | str = WEIGHTS_FILE) -> SD3Transformer2DModel:
         path (`Path | str`, *optional*): an SD3-named toy checkpoint; defaults to the shipped one.
 
     Raises:
-        FileNotFoundError: the weights file is missing (run `python -m trainer.toy.pretrain`).
+        FileNotFoundError: the weights file is missing (run `python -m sd3_testbed.pretrain`).
     """
     from safetensors.torch import load_file
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"toy weights {path} not found; make them with `python -m trainer.toy.pretrain`.")
+        raise FileNotFoundError(f"toy weights {path} not found; make them with `python -m sd3_testbed.pretrain`.")
     state = sd3_to_diffusers(load_file(str(path)), toy_arch())
     model = build_toy_model()
     model.load_state_dict(state, strict=True)

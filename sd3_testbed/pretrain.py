@@ -1,15 +1,15 @@
 """Pretrain the toy's softmax teacher with the flow-matching loss and ship its weights.
 
-    python -m trainer.toy.pretrain                # about 30 minutes on 2 CPU cores
-    python -m trainer.toy.pretrain --steps 50     # a quick smoke run
-    python -m trainer.toy.pretrain --init teacher --palette rotated --out ft.safetensors ...  # a fine-tune
+    python -m sd3_testbed.pretrain                # about 30 minutes on 2 CPU cores
+    python -m sd3_testbed.pretrain --steps 50     # a quick smoke run
+    python -m sd3_testbed.pretrain --init teacher --palette rotated --out ft.safetensors ...  # a fine-tune
 
 `--init teacher --palette NAME` fine-tunes the shipped teacher (every weight, the same loss and caption
-dropout) on images rendered in another palette (`trainer.toy.data.PALETTES`): a fine-tune of the base
+dropout) on images rendered in another palette (`sd3_testbed.data.PALETTES`): a fine-tune of the base
 that a T5 weights file meets the way a community fine-tune of SD3.5 would.
 
 It trains a fresh toy MMDiT on freshly drawn batches with the trainer's parts: the flow-matching loss
-(`trainer.toy.eval.batch_loss` on `trainer.losses`), the trainer's AdamW, warm-up + cosine schedule and
+(`sd3_testbed.eval.batch_loss` on `trainer.losses`), the trainer's AdamW, warm-up + cosine schedule and
 optimizer step (`trainer.optim`), the seed streams (`trainer.seeds.derived_seed`: each step's
 batch, noise and sigmas are fixed by the seed, so a run is reproducible) and the progress bar. It keeps
 an EMA of the weights, writes the EMA weights in SD3
@@ -30,6 +30,10 @@ from typing import Literal
 import torch
 from safetensors.torch import save_file
 
+from sd3_testbed.data import PALETTES, make_batch
+from sd3_testbed.eval import batch_loss, eval_set, generate, sample_hits, score_hits, validation_loss
+from sd3_testbed.model import TOY_CONFIG, WEIGHTS_FILE, build_toy_model, load_toy_base, load_toy_record, toy_arch
+from sd3_testbed.reference import EvalSettings, save_teacher_samples
 from t5core.atomic import write_atomic, write_text_atomic
 from t5core.sd3_keys import diffusers_to_sd3
 from trainer.cli import add_flags
@@ -38,10 +42,6 @@ from trainer.metrics import Progress
 from trainer.model import ParamSplit
 from trainer.optim import build_optimizer, build_scheduler, optimizer_step
 from trainer.seeds import derived_seed
-from trainer.toy.data import PALETTES, make_batch
-from trainer.toy.eval import batch_loss, eval_set, generate, sample_hits, score_hits, validation_loss
-from trainer.toy.model import TOY_CONFIG, WEIGHTS_FILE, build_toy_model, load_toy_base, load_toy_record, toy_arch
-from trainer.toy.reference import EvalSettings, save_teacher_samples
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class PretrainConfig:
     init: Literal["random", "teacher"] = "random"
     """Start weights: `random` (a fresh model from the seed) or `teacher` (the shipped teacher: a fine-tune)."""
     palette: str = "default"
-    """The palette images are rendered in and ToyEval reads colours with (`trainer.toy.data.PALETTES`)."""
+    """The palette images are rendered in and ToyEval reads colours with (`sd3_testbed.data.PALETTES`)."""
     dtype: str = "float16"
     """Dtype of the shipped file: `float16` or `bfloat16`."""
     eval_count: int = 180
@@ -159,7 +159,7 @@ def export_teacher(model, path: Path | str, cfg: PretrainConfig) -> Path:
 
 def record_teacher(path: Path | str, cfg: PretrainConfig, *, train_seconds: float, final_loss: float) -> dict:
     """Reload the written file, measure ToyEval and validation loss, write `<name>.json` beside it and the
-    ToyEval samples as `<name>_eval.safetensors` (`trainer.toy.reference`: a run's evaluation reuses them)."""
+    ToyEval samples as `<name>_eval.safetensors` (`sd3_testbed.reference`: a run's evaluation reuses them)."""
     path = Path(path)
     teacher = load_toy_base(path=path)
     palette = PALETTES[cfg.palette]

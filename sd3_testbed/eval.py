@@ -21,10 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer.config import LossConfig
-from trainer.losses import sample_sigmas, step_losses
-from trainer.sampling import sample
-from trainer.toy.data import (
+from sd3_testbed.data import (
     COLORS,
     IMAGE_SIZE,
     LATENT_CHANNELS,
@@ -38,7 +35,10 @@ from trainer.toy.data import (
     decode_latents,
     make_batch,
 )
-from trainer.toy.model import ToyCond
+from sd3_testbed.model import ToyCond
+from trainer.config import LossConfig
+from trainer.losses import sample_sigmas, step_losses
+from trainer.sampling import sample
 
 logger = logging.getLogger(__name__)
 

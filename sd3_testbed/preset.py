@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from sd3_testbed import data as toy_data
+from sd3_testbed.model import TOY_CONFIG, TOY_SHIFT, WEIGHTS_FILE, load_toy_base
 from t5core.atomic import write_text_atomic
 from trainer.config import DataConfig, TrainConfig
 from trainer.data import Batch
 from trainer.distributed import World
 from trainer.presets import ModelPreset, register_preset
-from trainer.toy import data as toy_data
-from trainer.toy.model import TOY_CONFIG, TOY_SHIFT, WEIGHTS_FILE, load_toy_base
 
 __all__ = ["TOY_PRESET", "ToySource", "card_section", "evaluate_toy"]
 
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 class ToySource:
-    """The toy's procedural captioned shapes (`trainer.toy.data`): sample i is `make_batch(1, seed=i)`."""
+    """The toy's procedural captioned shapes (`sd3_testbed.data`): sample i is `make_batch(1, seed=i)`."""
 
     def __init__(self, samples: int, *, size: int) -> None:
         self.size = size
@@ -56,7 +56,7 @@ def evaluate_toy(student: nn.Module, config: TrainConfig, output: Path, world: W
     """ToyEval of the softmax teacher and the trained student on rank 0 (`--output.toy_eval_samples`
     captions): `toy_eval.md` and `grid.png` (teacher rows above student rows, same captions and noise)
     in the run folder, and the numbers for the run report (None when skipped). The teacher's samples
-    are the ones shipped beside it where they cover the set (`trainer.toy.reference`).
+    are the ones shipped beside it where they cover the set (`sd3_testbed.reference`).
 
     A model sharded over several processes (FSDP2) cannot run on rank 0 alone; then the
     evaluation is skipped with a note, and the exported file can be evaluated instead.
@@ -67,8 +67,8 @@ def evaluate_toy(student: nn.Module, config: TrainConfig, output: Path, world: W
     if config.parallel.mode == "fsdp2" and world.world_size > 1:
         logger.info("ToyEval skipped: the student is sharded over %d processes (FSDP2)", world.world_size)
         return None
-    from trainer.toy.reference import teacher_samples
-    from trainer.toy.report import compare, comparison_table, write_grid
+    from sd3_testbed.reference import teacher_samples
+    from sd3_testbed.report import compare, comparison_table, write_grid
 
     if config.training.autocast_dtype is not None:  # frozen weights are held in bf16: sample an fp32 copy
         student = copy.deepcopy(student).float()
@@ -92,7 +92,7 @@ def evaluate_toy(student: nn.Module, config: TrainConfig, output: Path, world: W
 
 def card_section(evaluation: Mapping[str, Any]) -> list[str]:
     """The model card's validation text for `evaluate_toy`'s numbers: the teacher vs student table."""
-    from trainer.toy.report import comparison_table
+    from sd3_testbed.report import comparison_table
 
     return [
         "ToyEval of the softmax teacher and the trained T5 student, same captions and noise (higher is better; "

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer.toy.eval import FOREGROUND
+from sd3_testbed.eval import FOREGROUND
 
 __all__ = [
     "BLACK",

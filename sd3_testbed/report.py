@@ -17,16 +17,15 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from t5core.atomic import write_bytes_atomic
-from trainer.toy.artifacts import (
+from sd3_testbed.artifacts import (
     BackgroundError,
     background_error,
     background_level,
     open_background_level,
     token_period_energy,
 )
-from trainer.toy.data import Caption
-from trainer.toy.eval import (
+from sd3_testbed.data import Caption
+from sd3_testbed.eval import (
     GENERATE_BATCH,
     ToyEvalScore,
     eval_set,
@@ -36,8 +35,9 @@ from trainer.toy.eval import (
     teacher_distance,
     validation_loss,
 )
-from trainer.toy.reference import TOY_EVAL, EvalSettings
-from trainer.toy.stats import paired_difference
+from sd3_testbed.reference import TOY_EVAL, EvalSettings
+from sd3_testbed.stats import paired_difference
+from t5core.atomic import write_bytes_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ __all__ = ["Comparison", "compare", "comparison_table", "write_grid"]
 def comparison_table(comparison: dict, *, student_name: str = "T5") -> str:
     """The markdown table of a comparison in its `Comparison.as_dict()` form (as run reports store it):
     one row per model, ToyEval per attribute, val loss, distance to teacher and the artifact measures
-    (`trainer.toy.artifacts`), then the paired ToyEval difference with its 95% interval."""
+    (`sd3_testbed.artifacts`), then the paired ToyEval difference with its 95% interval."""
     lines = [
         "| model | ToyEval overall | color | shape | position | size | val loss | dist. to teacher "
         "| background | open background | token-period energy |",
@@ -107,7 +107,7 @@ class Comparison:
     teacher_images: Tensor
     student_images: Tensor
     teacher_background: BackgroundError
-    """The teacher's open background before the decoder's clamp (`trainer.toy.artifacts.background_error`)."""
+    """The teacher's open background before the decoder's clamp (`sd3_testbed.artifacts.background_error`)."""
     student_background: BackgroundError
 
     def table(self, *, student_name: str = "T5") -> str:
@@ -154,7 +154,7 @@ def compare(
 ) -> Comparison:
     """Sample the fixed evaluation set (`settings`) with both models from the same noise and score both;
     `teacher_raw` are the teacher's samples of that set before the clamp where they are known
-    (`trainer.toy.reference.teacher_samples`), and then only the student is sampled. `progress` shows a
+    (`sd3_testbed.reference.teacher_samples`), and then only the student is sampled. `progress` shows a
     bar with an ETA over the sampling batches (the evaluation takes minutes on a CPU)."""
     captions, noise = eval_set(count, seed=settings.seed, size=settings.size)
     if teacher_raw is not None and teacher_raw.shape != (count, 3, settings.size, settings.size):
