@@ -7,13 +7,14 @@ the loader reads them back (`from_metadata`); no untyped dicts travel between mo
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from t5core.contract import Variant, check_variant
 from t5core.hybrid import JOINT_MODES, MERGES, JointMode, Merge
 from t5core.neighborhood import check_neighborhood
 
-__all__ = ["BaseArch", "T5Config"]
+__all__ = ["T5_SETTINGS", "BaseArch", "T5Config"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,10 @@ class T5Config:
         check_neighborhood(self.neighborhood)
         object.__setattr__(self, "layers", tuple(self.layers))
 
+    def settings(self) -> dict[str, Any]:
+        """The settings beside the layers, by name (`T5_SETTINGS`): what a fresh conversion is asked for."""
+        return {name: getattr(self, name) for name in T5_SETTINGS}
+
     def exact_text(self, layer: str) -> bool:
         """Whether the converted module `layer` (`blocks.3.attn`) keeps exact softmax for text."""
         return self.joint_mode == "hybrid" and layer.endswith(".attn")
@@ -148,3 +153,8 @@ class T5Config:
             # absent in files written before the neighbourhood blend existed: none
             neighborhood=int(metadata.get("t5.neighborhood", "0")),
         )
+
+
+T5_SETTINGS: tuple[str, ...] = tuple(item.name for item in fields(T5Config) if item.name != "layers")
+"""The names of `T5Config`'s settings beside its layers (variant, key norm, locality, joint mode, merge,
+neighbourhood): hosts, the trainer's model section and what it records derive theirs from this."""

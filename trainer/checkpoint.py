@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from t5core.attention import param_name
+from t5core.config import T5_SETTINGS
 from trainer.config import TrainConfig
 from trainer.config_file import config_from_toml_text
 from trainer.distributed import World
@@ -55,15 +56,10 @@ STATE_FILE = "state.json"
 _RESUME_KEYS = (
     "model.base",
     "model.layers",
-    "model.variant",
-    "model.key_norm_eps",
-    "model.locality",
+    *(f"model.{name}" for name in T5_SETTINGS),
     "model.trainable",
     "model.rank",
     "model.alpha",
-    "model.joint_mode",
-    "model.merge",
-    "model.neighborhood",
     "transfer.lr",
     "transfer.timesteps",
     "data.source",

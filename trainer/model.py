@@ -263,17 +263,7 @@ def make_teacher(base: nn.Module, *, dtype: torch.dtype) -> nn.Module:
 
 def build_student(base: nn.Module, config: ModelConfig) -> T5Handle:
     """Convert the base in place with `linearize`; the handle holds the new modules and the undo."""
-    return linearize(
-        base,
-        layers=config.layers,
-        variant=config.variant,
-        key_norm_eps=config.key_norm_eps,
-        locality=config.locality,
-        joint_mode=config.joint_mode,
-        merge=config.merge,
-        neighborhood=config.neighborhood,
-        backend=config.backend,
-    )
+    return linearize(base, layers=config.layers, backend=config.backend, **config.t5_settings())
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,12 +89,7 @@ def _conversion_section(config: TrainConfig, report: Mapping[str, Any]) -> list[
         *_rows(
             [
                 ("layer spec (`--model.layers`)", model.layers),
-                ("variant", model.variant),
-                ("key-norm eps", model.key_norm_eps),
-                ("locality convs", model.locality),
-                ("joint attention (`--model.joint_mode`)", model.joint_mode),
-                *([("text merge (`--model.merge`)", model.merge)] if model.joint_mode == "hybrid" else []),
-                ("neighbourhood blend (`--model.neighborhood`)", model.neighborhood or "off"),
+                *((f"`--model.{name}`", value) for name, value in model.t5_settings().items()),
             ]
         ),
         "",

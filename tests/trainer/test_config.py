@@ -160,3 +160,15 @@ def test_run_checks_a_config_it_was_handed_before_any_work(tmp_path):
     with pytest.raises(ValueError, match=r"--data.source: the toy base trains on its own data"):
         run(config)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_model_section_carries_every_t5_setting_with_t5configs_default():
+    """`T5Config` is the carrier: each of its settings is a `[model]` field of the same name and default, which
+    the conversion, the resume check and the model card read by `T5_SETTINGS` (a new setting fails here first)."""
+    from t5core.config import T5_SETTINGS, T5Config
+    from trainer.config import ModelConfig
+
+    assert T5_SETTINGS == ("variant", "key_norm_eps", "locality", "joint_mode", "merge", "neighborhood")
+    assert ModelConfig().t5_settings() == T5Config().settings()
+    changed = ModelConfig(joint_mode="hybrid", merge="learned", neighborhood=5, key_norm_eps=None)
+    assert T5Config(**changed.t5_settings()).settings() == changed.t5_settings()
