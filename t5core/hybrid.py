@@ -26,7 +26,6 @@ Statistics and merge weights are fp32; the output is cast back to the input dtyp
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Literal
@@ -75,7 +74,9 @@ def image_log_partition(q_BHND: Tensor, k_BHND: Tensor, *, rows: int = IMAGE_QUE
     for q_rows in q_BHND.split(rows, dim=-2):
         first = (q_rows @ mean.transpose(-1, -2)).squeeze(-1) * scale
         slabs.append(first + ((q_rows @ half_cov) * q_rows).sum(-1))
-    return math.log(m) + torch.cat(slabs, dim=-1)
+    # log M as a 0-dim float64 CPU tensor (a scalar to any device, as a Python float is), not `math.log`,
+    # which makes torch.compile specialise the graph to the token count
+    return torch.full((), m, dtype=torch.float64).log() + torch.cat(slabs, dim=-1)
 
 
 def _image_rows(q_BHND: Tensor, k_text: Tensor, v_text: Tensor, log_z_image: Tensor, o_image: Tensor) -> Tensor:

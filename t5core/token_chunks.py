@@ -16,9 +16,8 @@ chain of ops for them.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -67,15 +66,19 @@ class TokenChunks:
     grid: tuple[int, int] | None = None
     text_tokens: int = 0
     text_first: bool = True
+    chunks: list[Chunk] = field(init=False, repr=False, compare=False)
+    """Bands of whole image rows (with a grid), then runs of text tokens; runs of all tokens without;
+    one chunk of every token when they fit one."""
+
+    def __post_init__(self) -> None:
+        # a plain attribute set once: torch.compile cannot trace the lock of a `functools.cached_property`
+        object.__setattr__(self, "chunks", self._plan())
 
     @property
     def image_start(self) -> int:
         return self.text_tokens if self.text_first else 0
 
-    @functools.cached_property
-    def chunks(self) -> list[Chunk]:
-        """Bands of whole image rows (with a grid), then runs of text tokens; runs of all tokens without;
-        one chunk of every token when they fit one."""
+    def _plan(self) -> list[Chunk]:
         if self.grid is None:
             return _runs(0, self.n, self.chunk_tokens)
         h, w = self.grid
@@ -146,7 +149,8 @@ class TokenChunks:
             centre = slab[:, :, 1:-1]
         # both are channels-last, so (B, rows, w, C) and then (B, n, H, D) are views
         centre, conv_out = (y.permute(0, 2, 3, 1).reshape(batch, -1, heads, dim) for y in (centre, conv_out))
-        torch.add(centre, conv_out, out=out[:, image_part])
+        # an assignment, not `torch.add(..., out=)` into the strided view, which torch.compile cannot trace
+        out[:, image_part] = centre + conv_out
         return out_BHND
 
     def local_backward(

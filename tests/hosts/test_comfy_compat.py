@@ -61,7 +61,9 @@ def test_attention_override_still_reaches_the_softmax_modules(model, weights_all
     assert sorted(calls) == [image, joint]
 
 
-def _sample(patcher, *, negative_tokens: int = 154, steps: int = 2, cfg: float = 4.5) -> torch.Tensor:
+def _sample(
+    patcher, *, negative_tokens: int = 154, steps: int = 2, cfg: float = 4.5, latent_hw: tuple[int, int] = (12, 20)
+) -> torch.Tensor:
     """KSampler's own code path: euler / sgm_uniform, CFG. SD3 conditioning of different text lengths
     is never batched together (ComfyUI's SD3 `c_crossattn` is a `CONDRegular`), equal lengths are."""
     import nodes
@@ -76,7 +78,7 @@ def _sample(patcher, *, negative_tokens: int = 154, steps: int = 2, cfg: float =
             {"pooled_output": torch.randn(1, 64, generator=generator)},
         ]
     ]
-    latent = {"samples": torch.zeros(2, 16, 12, 20)}
+    latent = {"samples": torch.zeros(2, 16, *latent_hw)}
     with torch.no_grad():
         out = nodes.common_ksampler(patcher, 42, steps, cfg, "euler", "sgm_uniform", positive, negative, latent)
     return out[0]["samples"]
@@ -199,3 +201,34 @@ def test_torch_compile_model_runs_t5_like_eager_without_recompiling_per_step(mod
     assert seen[-1] == seen[0], f"graphs after each step: {seen}"
     # inductor fuses and reorders the fp32 math: about 1e-6 apart
     assert relative_rms(eager, out) < 1e-5
+
+
+def test_torch_compile_wrapper_makes_one_graph_and_one_recompile_for_new_latent_sizes(model, weights_all):
+    """What `TorchCompileModel` installs (`set_torch_compile_wrapper`; the node adds only a clone and the
+    choice of inductor or cudagraphs), after T5 Linearize, with a backend that counts the graphs it
+    receives and runs each as it is (fast: no inductor). The sampler's 3 steps batch CFG's two halves
+    (equal text lengths) into one model-call shape, and the T5 code breaks no graph, so the diffusion
+    model compiles into exactly one graph, on the first step. The first new latent size recompiles
+    once (dynamo makes the size dynamic), the next reuses that graph. The latents are eager's."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    from t5core.hosts.comfy import linearize
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    patched = linearize(model, weights_all)
+    compiled = patched.clone()
+    set_torch_compile_wrapper(model=compiled, backend=counting_backend)
+    torch._dynamo.reset()
+    try:
+        for latent_hw, steps, expected_graphs in [((12, 20), 3, 1), ((16, 16), 1, 2), ((20, 12), 1, 2)]:
+            out = _sample(compiled, steps=steps, latent_hw=latent_hw)
+            assert len(graphs) == expected_graphs, f"latent {latent_hw}: {len(graphs)} graphs"
+            # the graph replays eager's aten ops: 0 difference seen
+            assert relative_rms(_sample(patched, steps=steps, latent_hw=latent_hw), out) < 1e-6
+    finally:
+        torch._dynamo.reset()
