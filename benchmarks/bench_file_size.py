@@ -7,7 +7,7 @@ deltas in the base checkpoint's precision (`--output.base_dtype base`, the defau
 Builds each model on the meta device (no weights: the toy from its config, SD3.5 Medium and Large
 from the shipped configs), converts it with the `paper` spec and with `all` hybrid (full linear time),
 splits the parameters as the trainer does (`trainer.model.split_parameters`) and builds the deltas the
-export would write (`trainer.export`: rank-r factors for each trained weight matrix under `--model.rank r`,
+export would write (`trainer.publishing.export`: rank-r factors for each trained weight matrix under `--model.rank r`,
 full deltas otherwise and for vectors, fused qkv completed) from meta tensors of the right shapes. The
 file holds the new T5 parameters in fp32 and those deltas. Sizes are tensor bytes; the safetensors header
 adds a few KiB. The base precision is the toy file's (float16, read by
@@ -37,9 +37,9 @@ from benchmarks.timing import header_line, write_json
 from t5core.deltas import sd3_deltas
 from t5core.hosts.diffusers import linearize
 from trainer.config import ModelConfig, OptimConfig
-from trainer.export import complete_fused
 from trainer.low_rank import low_rank_names
 from trainer.model import base_checkpoint_dtype, split_parameters
+from trainer.publishing.export import complete_fused
 
 SPECS = {"paper": {"layers": "paper"}, "all hybrid": {"layers": "all", "joint_mode": "hybrid"}}
 """The layer specs measured: the paper's, and full linear time."""

@@ -9,13 +9,13 @@ stored in bf16, bf16 autocast, AdamW, DDP over a world of one) at `--resolution`
 without and one with gradient checkpointing, on random latents and text features of SD3.5's shapes.
 It reads the process's resident memory from /proc: the baseline after the imports, the peak while
 building and converting the model (the fp32 weights), and the peak of each step (the high-water mark
-is reset before each phase). The parent prints each measured peak beside `trainer.memory.plan_memory`
+is reset before each phase). The parent prints each measured peak beside `trainer.planning.memory.plan_memory`
 for the same settings, with no runtime margin (no CUDA context on CPU), and marks a miss over 15%.
 
 Loading is compared as the device holds the student once it is there: the settled memory after `parallelize`
 has cast the frozen weights (on a GPU the cast happens on the host before the move). Data preparation's
 phases run in children of their own, in the CPU pipeline's fp32 at `--preparation-resolution`, beside
-`trainer.run_plan`'s estimates: SD3's VAE encoding `VAE_IMAGES` images in one call, and decoding
+`trainer.planning.run_plan`'s estimates: SD3's VAE encoding `VAE_IMAGES` images in one call, and decoding
 `trainer.validation.DECODE_BATCH` in fp32 as validation does; the three text
 encoders on `CAPTIONS` captions of their full token length (T5-XXL's encoder cut to `T5_LAYERS` layers,
 which this machine's memory needs); SD3.5 Medium's frozen transformer on one guided call of `GENERATED`
@@ -46,16 +46,16 @@ from pathlib import Path
 import torch
 
 from benchmarks.timing import header_line, write_json
-from trainer.memory import GIB, PlanSettings, plan_memory
-from trainer.run_plan import (
+from trainer.inputs.sources import PARTS_CONFIG_DIR
+from trainer.planning.memory import GIB, PlanSettings, plan_memory
+from trainer.planning.run_plan import (
     VAE_DECODE_LIVE_WIDTHS,
     EncoderCounts,
     generation_gib,
     text_activations_gib,
     vae_activations_gib,
 )
-from trainer.sources import PARTS_CONFIG_DIR
-from trainer.time_estimate import ParamCounts, RunShape
+from trainer.planning.time_estimate import ParamCounts, RunShape
 from trainer.validation import DECODE_BATCH
 
 RECIPE = Path(__file__).resolve().parent.parent / "trainer" / "configs" / "sd35_medium_24gb.toml"
@@ -126,11 +126,11 @@ def _measure(resolution: int) -> dict:
     from trainer.data import BatchPlan
     from trainer.distributed import init_world
     from trainer.loop import TrainParts, train_step
-    from trainer.memory import count_parameters
     from trainer.metrics import MetricsWriter
     from trainer.model import build_model
     from trainer.optim import build_optimizer, build_scheduler
     from trainer.parallelize import apply_activation_checkpointing, parallelize
+    from trainer.planning.memory import count_parameters
 
     flags = ["--config", str(RECIPE), "--model.base", "random SD3.5 Medium", "--data.source", "cache"]
     flags += ["--data.path", "(in memory)", "--training.gradient_checkpointing", "false", "--parallel.device", "cpu"]
@@ -195,8 +195,8 @@ def _measure(resolution: int) -> dict:
 
 def _measure_preparation(phase: str, resolution: int) -> dict:
     """The child for one preparation phase, in the CPU pipeline's fp32: its modules built from SD3's shipped
-    configs with random weights, run without gradients as `trainer.prepare` runs them; peak GiB above the baseline
-    (taken before the modules are built) and the plan's inputs."""
+    configs with random weights, run without gradients as `trainer.inputs.prepare` runs them; peak GiB above the
+    baseline (taken before the modules are built) and the plan's inputs."""
     baseline = _status_kib("VmRSS")
     _reset_peak()
     torch.manual_seed(0)
@@ -284,7 +284,8 @@ def _generation_phase(resolution: int) -> dict:
 
 
 def _preparation_rows(resolution: int) -> list[dict]:
-    """Each preparation phase measured in its own child, beside `trainer.run_plan`'s estimate (fp32, no margin)."""
+    """Each preparation phase measured in its own child, beside `trainer.planning.run_plan`'s estimate (fp32, no
+    margin)."""
     vae = _run_child(resolution, "vae")
     counts = EncoderCounts(
         text_params=0, text_tokens=(), text_widths=(), text_heads=(), text_kept=(), vae_params=vae["vae_params"],

@@ -4,7 +4,7 @@
 
 Builds each model on the meta device from the shipped configs (no weights, no downloads), converts it
 with the `paper` layer spec, splits the parameters exactly as the trainer does, and prints the
-trainer's memory plan (`trainer.memory.plan_memory`) for full and attention-only fine-tunes under
+trainer's memory plan (`trainer.planning.memory.plan_memory`) for full and attention-only fine-tunes under
 DDP and FSDP2, with and without the frozen teacher. The softmax column plans the same fine-tune of
 the unconverted model, so the ratio shows what T5 itself adds. Before planning, the parameter counts
 are checked against the published model sizes; a mismatch prints FAIL instead of numbers.
@@ -22,9 +22,9 @@ import torch
 from benchmarks.timing import header_line, write_json
 from t5core.hosts.diffusers import linearize
 from trainer.config import ModelConfig, OptimConfig
-from trainer.memory import PlanSettings, count_parameters, plan_memory
 from trainer.model import CONFIGS_DIR, split_parameters
-from trainer.time_estimate import ParamCounts, RunShape
+from trainer.planning.memory import PlanSettings, count_parameters, plan_memory
+from trainer.planning.time_estimate import ParamCounts, RunShape
 
 logger = logging.getLogger(__name__)
 

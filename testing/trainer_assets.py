@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from testing.models import tiny_transformer
-from trainer.cache import UNCOND, shard_name, write_manifest, write_tensors
 from trainer.data import Batch
+from trainer.inputs.cache import UNCOND, shard_name, write_manifest, write_tensors
 
 TRAINER_PRESET = "trainer_sd35_medium_like"
 """The trainer's tiny SD3.5-Medium-like preset: patch 2, 16 channels, attn2 on block 0, q/k RMSNorm,

@@ -169,7 +169,7 @@ class DataConfig:
     generates latents; `cache` = a folder written earlier by `images` or `prompts`."""
     path: str = ""
     """The image folder, prompts file or cache folder (not used by `toy`); empty with `prompts` = the shipped
-    default prompt set (`trainer.prompt_set`, 3000 prompts)."""
+    default prompt set (`trainer.inputs.prompt_set`, 3000 prompts)."""
     cache_dir: str = ""
     """Where `images` / `prompts` write their cache; empty means `<output.dir>/data-cache`."""
     resolution: int = 0

@@ -4,8 +4,8 @@ A source holds samples addressed by index and grouped into buckets of equal late
 turns (seed, step) into the indices of one global batch, all from one bucket; each rank takes its
 contiguous slice. So N processes see exactly the batch one process would, and the data position is
 just the step number (resume is exact). Sources: a model preset's own (`trainer.presets`, such as the
-toy's `sd3_testbed.preset.ToySource`, made on the fly) and `CacheSource` (`trainer.cache`, written by
-`trainer.prepare`). The buckets' pixel sizes come from `--data.buckets` (`bucket_sizes`, `nearest_bucket`).
+toy's `sd3_testbed.preset.ToySource`, made on the fly) and `CacheSource` (`trainer.inputs.cache`, written by
+`trainer.inputs.prepare`). The buckets' pixel sizes come from `--data.buckets` (`bucket_sizes`, `nearest_bucket`).
 """
 
 from __future__ import annotations

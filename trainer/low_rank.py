@@ -4,7 +4,7 @@
 trains `scale * up @ down` beside it instead (`scale = alpha / r`, LoRA's convention), through a
 torch parametrization: the module still reads `.weight`, now computed as `original + scale * up @ down`.
 `down` starts random and `up` at zero, so the model starts as the base, exactly. Vectors (biases,
-norm scales) keep training in full; `trainer.export` writes their change as a full delta.
+norm scales) keep training in full; `trainer.publishing.export` writes their change as a full delta.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Base models load from local files: a diffusers folder (pipeline or transformer), a single-file SD3 /
 SD3.5 checkpoint with a local config (the three shipped in `trainer/configs` or `--model.config`; fp8 ones
-upcast, scaled-fp8 ones dequantized with `trainer.fp8`), the
-built-in toy, or a Hub repo fetched into the Hugging Face cache (`trainer.sources` resolves which).
+upcast, scaled-fp8 ones dequantized with `trainer.inputs.fp8`), the
+built-in toy, or a Hub repo fetched into the Hugging Face cache (`trainer.inputs.sources` resolves which).
 The conversion is `t5core.hosts.diffusers.linearize`, as a user would call it.
 """
 
@@ -25,10 +25,10 @@ from t5core.deltas import fingerprint
 from t5core.hosts.diffusers import T5Handle, arch_of, linearize
 from t5core.sd3_keys import diffusers_module, diffusers_to_sd3
 from trainer.config import ModelConfig, OptimConfig, TrainConfig
-from trainer.fp8 import is_scaled_fp8, read_weights
+from trainer.inputs.fp8 import is_scaled_fp8, read_weights
+from trainer.inputs.sources import local_base
 from trainer.low_rank import ORIGINAL, add_low_rank, factor_names, low_rank_names
 from trainer.presets import get_preset
-from trainer.sources import local_base
 
 __all__ = [
     "BaseFiles",

@@ -20,8 +20,8 @@ if __package__ in (None, ""):
 
 from trainer.cli import add_flags
 from trainer.config import OutputConfig
-from trainer.hub import HubError, hub_target, push_to_hub
-from trainer.model_card import RUN_CARD
+from trainer.publishing.hub import HubError, hub_target, push_to_hub
+from trainer.publishing.model_card import RUN_CARD
 
 PROG = "trainer/push.py"
 
@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def push_run(output: OutputConfig) -> str:
-    """Check the target and the run folder, then upload (`trainer.hub.push_to_hub`).
+    """Check the target and the run folder, then upload (`trainer.publishing.hub.push_to_hub`).
 
     Returns:
         The commit's URL.
@@ -51,7 +51,7 @@ def push_run(output: OutputConfig) -> str:
     Raises:
         FileNotFoundError: the folder lacks the weights file or its card.
         ValueError: no repo given, or as `hub_target`.
-        PermissionError / trainer.hub.HubError: as `hub_target` and `push_to_hub`.
+        PermissionError / trainer.publishing.hub.HubError: as `hub_target` and `push_to_hub`.
     """
     weights = Path(output.dir).expanduser() / output.name
     for path in (weights, weights.parent / RUN_CARD):

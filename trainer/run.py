@@ -20,7 +20,7 @@ if __package__ in (None, ""):
 
 from trainer.checkpoint import RunAlreadyFinished
 from trainer.cli import parse_args
-from trainer.memory import PlanDoesNotFit
+from trainer.planning.memory import PlanDoesNotFit
 from trainer.train import RunResult, run
 
 logger = logging.getLogger("trainer.run")

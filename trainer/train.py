@@ -1,11 +1,10 @@
 """`run(config)`: the whole fine-tune as one Python call, built step by step as a recipe.
 
-world -> output folder -> resume policy -> the whole run's memory plan (`trainer.run_plan`, from configs, before
-anything loads) -> base model -> data -> teacher -> convert and split -> memory plan of the built model -> device
-and parallelism -> optimizer -> attention transfer -> resume -> loop -> export -> report and
-publish. Each step
-is one call into the module that owns it; `trainer/run.py` is the CLI around `run`, and benchmarks and
-ablations call the same steps with different configs.
+world -> output folder -> resume policy -> the whole run's memory plan (`trainer.planning.run_plan`, from
+configs, before anything loads) -> base model -> data (`trainer.inputs`) -> teacher -> convert and split -> memory
+plan of the built model -> device and parallelism -> optimizer -> attention transfer -> resume -> loop -> export,
+report and publish (`trainer.publishing`). Each step is one call into the module that owns it; `trainer/run.py` is
+the CLI around `run`, and benchmarks and ablations call the same steps with different configs.
 """
 
 from __future__ import annotations
@@ -28,20 +27,20 @@ from trainer.config import TrainConfig
 from trainer.config_file import save_config
 from trainer.data import BatchPlan, Source
 from trainer.distributed import World, init_world
-from trainer.export import ComfyTarget, comfyui_target, export_run, publish, record_base, run_report
-from trainer.hub import HubTarget, hub_target
+from trainer.inputs.sources import find_text_parts
 from trainer.loop import LoopResult, TrainParts, train_loop
 from trainer.losses import AttentionCapture
-from trainer.memory import plan_run
 from trainer.metrics import MetricsWriter
 from trainer.model import ParamSplit, base_fingerprint, build_model, load_base, make_teacher
-from trainer.model_card import check_run_card
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import parallelize
+from trainer.planning.memory import plan_run
+from trainer.planning.run_plan import RunPlan, plan_whole_run
 from trainer.presets import check_config, get_preset
-from trainer.run_plan import RunPlan, plan_whole_run
+from trainer.publishing.export import ComfyTarget, comfyui_target, export_run, publish, record_base, run_report
+from trainer.publishing.hub import HubTarget, hub_target
+from trainer.publishing.model_card import check_run_card
 from trainer.seeds import rank_seed, seed_everything
-from trainer.sources import find_text_parts
 from trainer.transfer import STAGE, TransferParts, check_transfer_mode, resume_transfer, run_transfer
 from trainer.validation import Validator, build_validator
 
@@ -115,11 +114,11 @@ def _build_source(config: TrainConfig, base: nn.Module, world: World, *, vae_bat
     preset = get_preset(config.model.base)
     if preset is not None:
         return preset.build_source(data)
-    from trainer.cache import CacheSource
+    from trainer.inputs.cache import CacheSource
 
     if data.source == "cache":
         return CacheSource(data.path)
-    from trainer.prepare import cache_dir_of, prepare_data
+    from trainer.inputs.prepare import cache_dir_of, prepare_data
 
     cache_dir = cache_dir_of(config)
     pipeline = find_text_parts(config.model, data.pipeline)
@@ -149,10 +148,10 @@ def run(config: TrainConfig) -> RunResult:
         FileNotFoundError / ValueError / TypeError: a missing or unsuitable base, data or setting (the
             config is checked with `trainer.presets.check_config` first).
         PermissionError: the output folder is not writable.
-        trainer.memory.PlanDoesNotFit: the memory plan does not fit.
+        trainer.planning.memory.PlanDoesNotFit: the memory plan does not fit.
         RuntimeError: the machine cannot run a requested feature.
-        trainer.hub.HubError: `--output.push_to_hub` cannot reach the Hub, or the upload failed (the run's files
-            stay, and the message gives the command that retries the upload).
+        trainer.publishing.hub.HubError: `--output.push_to_hub` cannot reach the Hub, or the upload failed (the run's
+            files stay, and the message gives the command that retries the upload).
     """
     check_config(config)
     threads = torch.get_num_threads()

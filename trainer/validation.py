@@ -38,14 +38,14 @@ from t5core.hosts.diffusers import T5Handle
 from trainer.config import LossConfig, TrainConfig
 from trainer.data import Batch, Source
 from trainer.distributed import World
+from trainer.inputs.prepare import encode_text, load_encoding_pipeline, read_prompts, release_device_memory
+from trainer.inputs.prompt_set import default_prompts
+from trainer.inputs.single_file import load_vae
+from trainer.inputs.sources import PipelineFiles, find_text_parts
 from trainer.losses import shift_sigmas, step_losses
 from trainer.metrics import read_metrics
-from trainer.prepare import encode_text, load_encoding_pipeline, read_prompts, release_device_memory
-from trainer.prompt_set import default_prompts
 from trainer.sampling import Conditioning, sample
 from trainer.seeds import derived_seed
-from trainer.single_file import load_vae
-from trainer.sources import PipelineFiles, find_text_parts
 
 __all__ = [
     "DECODE_BATCH",

@@ -11,15 +11,15 @@ from safetensors.torch import load_file
 from torch import nn
 
 from testing.trainer_assets import cache_run_flags, write_base, write_cache
-from trainer.cache import CacheSource
 from trainer.cli import parse_args
 from trainer.config import ParallelConfig
 from trainer.data import BatchPlan
 from trainer.distributed import init_world
-from trainer.memory import plan_run
+from trainer.inputs.cache import CacheSource
 from trainer.metrics import read_metrics
 from trainer.model import build_model, load_base
 from trainer.parallelize import apply_ddp, gradient_sync
+from trainer.planning.memory import plan_run
 from trainer.train import run
 
 LOGGED = ("loss/total", "loss/flow", "grad_norm", "transfer/loss")

@@ -15,7 +15,7 @@ from testing.trainer_assets import write_base, write_cache
 from tests.trainer.test_run_cli import _argv as cli_argv
 from trainer.cli import parse_args
 from trainer.config import ModelConfig
-from trainer.model_card import base_digests, card_name, model_card
+from trainer.publishing.model_card import base_digests, card_name, model_card
 from trainer.run import main
 
 

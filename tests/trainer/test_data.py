@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from testing.trainer_assets import write_cache
-from trainer.cache import CacheSource
 from trainer.data import BatchPlan, bucket_sizes, nearest_bucket
+from trainer.inputs.cache import CacheSource
 
 BUCKETS = {(8, 12): list(range(0, 10)), (12, 8): list(range(10, 17)), (16, 16): [17]}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.fp8 import dequantize_scaled_fp8, is_scaled_fp8
+from trainer.inputs.fp8 import dequantize_scaled_fp8, is_scaled_fp8
 
 
 def _state(scale_shape: tuple[int, ...]) -> dict[str, torch.Tensor]:

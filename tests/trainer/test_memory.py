@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from trainer.memory import (
+from trainer.planning.memory import (
     ADAMW_SCRATCH_BYTES,
     GIB,
     TRAINED_BYTES,
@@ -14,7 +14,7 @@ from trainer.memory import (
     plan_memory,
     suggest,
 )
-from trainer.time_estimate import ParamCounts, RunShape
+from trainer.planning.time_estimate import ParamCounts, RunShape
 
 COUNTS = ParamCounts(trained=600_000_000, frozen=1_700_000_000, buffers=200_000_000, largest_block=90_000_000)
 SHAPE = RunShape(batch_per_rank=4, image_tokens=4096, text_tokens=333, hidden=1536, depth=24)

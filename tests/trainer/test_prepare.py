@@ -10,11 +10,11 @@ import torch
 from PIL import Image
 
 from testing.trainer_assets import trainer_transformer, write_images, write_pipeline
-from trainer.cache import CacheSource
 from trainer.cli import parse_args
 from trainer.config import DataConfig, ParallelConfig
 from trainer.distributed import init_world
-from trainer.prepare import prepare_data
+from trainer.inputs.cache import CacheSource
+from trainer.inputs.prepare import prepare_data
 from trainer.train import run
 
 CLIP_TOKENS = 77

@@ -11,16 +11,16 @@ import copy as copy_module
 import pytest
 import torch
 
-import trainer.prepare as prepare_module
+import trainer.inputs.prepare as prepare_module
 from testing.tolerances import relative_rms
 from testing.trainer_assets import trainer_transformer, write_pipeline
 from tests.trainer.test_prepare import data_config
-from trainer.cache import CacheSource
 from trainer.cli import parse_args
 from trainer.config import DataConfig, ParallelConfig
 from trainer.distributed import init_world
-from trainer.prepare import prepare_data
-from trainer.prompt_set import DEFAULT_PROMPT_COUNT, default_prompts
+from trainer.inputs.cache import CacheSource
+from trainer.inputs.prepare import prepare_data
+from trainer.inputs.prompt_set import DEFAULT_PROMPT_COUNT, default_prompts
 
 
 def test_default_set_is_a_few_thousand_distinct_prompts_in_a_fixed_order():

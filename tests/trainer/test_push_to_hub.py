@@ -24,7 +24,7 @@ from tests.trainer.test_comfyui_output import _one_line_error
 from tests.trainer.test_run_cli import _argv as cli_argv
 from trainer import push
 from trainer.cli import parse_args
-from trainer.hub import HubError
+from trainer.publishing.hub import HubError
 from trainer.run import main
 from trainer.train import run
 

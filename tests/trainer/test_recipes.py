@@ -15,10 +15,10 @@ import torch
 from testing.trainer_assets import write_images
 from trainer.cli import parse_args
 from trainer.config import TrainConfig
+from trainer.inputs.sources import PARTS_CONFIG_DIR
 from trainer.model import CONFIGS_DIR
-from trainer.run_plan import RunPlan, plan_whole_run
-from trainer.sources import PARTS_CONFIG_DIR
-from trainer.time_estimate import GPUS
+from trainer.planning.run_plan import RunPlan, plan_whole_run
+from trainer.planning.time_estimate import GPUS
 
 RECIPES = CONFIGS_DIR.parent
 CASES = [
@@ -54,13 +54,14 @@ def base_of(tmp_path_factory):
 
 @pytest.fixture
 def plan(base_of, tmp_path, monkeypatch):
-    """What `trainer.run_plan.plan_whole_run` prints for a recipe on `world_size` of `gpu_name`, before loading."""
+    """What `trainer.planning.run_plan.plan_whole_run` prints for a recipe on `world_size` of `gpu_name`, before
+    loading."""
     images = tmp_path / "images"
     write_images(images, [(32, 32)])
 
     def make(recipe: str, model: str, gpu_name: str, world_size: int, *flags: str) -> RunPlan:
         gpu = next(gpu for gpu in GPUS if gpu.name == gpu_name)
-        monkeypatch.setattr("trainer.run_plan.device_budget", lambda *_: (gpu.memory_gib, gpu.device_names[0]))
+        monkeypatch.setattr("trainer.planning.run_plan.device_budget", lambda *_: (gpu.memory_gib, gpu.device_names[0]))
         config = _load(recipe, "--model.base", str(base_of(model)), "--data.path", str(images),
                        "--output.dir", str(tmp_path / "out"), *flags)  # fmt: skip
         world = SimpleNamespace(world_size=world_size, rank=0, is_main=True, device=torch.device("cpu"))

@@ -11,9 +11,10 @@ from testing.trainer_assets import write_images, write_pipeline
 from tests.trainer.test_prepare import T5_TOKENS
 from trainer.cli import parse_args
 from trainer.distributed import init_world
-from trainer.memory import GIB, PlanDoesNotFit, count_parameters
+from trainer.inputs.sources import PARTS_CONFIG_DIR, PipelineFiles
 from trainer.model import build_model, load_base
-from trainer.run_plan import (
+from trainer.planning.memory import GIB, PlanDoesNotFit, count_parameters
+from trainer.planning.run_plan import (
     CLIP_TOKENS,
     VAE_LIVE_WIDTHS,
     EncoderCounts,
@@ -23,7 +24,6 @@ from trainer.run_plan import (
     plan_whole_run,
     vae_activations_gib,
 )
-from trainer.sources import PARTS_CONFIG_DIR, PipelineFiles
 from trainer.train import run
 
 
@@ -149,7 +149,7 @@ def test_the_vae_batch_is_the_most_images_that_fit():
 
 
 def test_check_names_each_phase_over_the_budget_and_what_would_fit():
-    from trainer.memory import MemoryPlan
+    from trainer.planning.memory import MemoryPlan
 
     plan = RunPlan(
         phases={"loading": 3.0, "preparation: encoding images": 9.0, "training": 12.0},
@@ -171,7 +171,7 @@ def test_a_budget_too_small_refuses_before_the_base_loads_or_data_is_prepared(pi
         raise AssertionError("loaded or prepared before the plan was checked")
 
     monkeypatch.setattr("trainer.train.load_base", refuse)
-    monkeypatch.setattr("trainer.prepare.prepare_data", refuse)
+    monkeypatch.setattr("trainer.inputs.prepare.prepare_data", refuse)
     out = tmp_path / "out"
     with pytest.raises(PlanDoesNotFit, match=r"but has 0\.5 GiB \(planned before loading anything"):
         run(_config(pipeline, images, out, "--parallel.gpu_memory_gib", "0.5"))
@@ -183,7 +183,9 @@ def test_the_run_encodes_with_the_vae_batch_its_plan_sized(pipeline, images, tmp
     from diffusers import AutoencoderKL
 
     sized = []
-    monkeypatch.setattr("trainer.run_plan.largest_vae_batch", lambda *args, **kwargs: sized.append(kwargs) or 2)
+    monkeypatch.setattr(
+        "trainer.planning.run_plan.largest_vae_batch", lambda *args, **kwargs: sized.append(kwargs) or 2
+    )
     calls = []
     encode = AutoencoderKL.encode
     monkeypatch.setattr(AutoencoderKL, "encode", lambda self, x, **kw: calls.append(len(x)) or encode(self, x, **kw))

@@ -18,9 +18,9 @@ from testing.tolerances import FP8_RATIO, assert_close
 from testing.trainer_assets import dequantized_fp8, scaled_fp8, write_comfyui
 from trainer.cli import parse_args
 from trainer.config import ModelConfig
+from trainer.inputs.single_file import load_single_file_pipeline, load_text_encoder
+from trainer.inputs.sources import bundled_prefix, find_text_parts
 from trainer.model import load_base
-from trainer.single_file import load_single_file_pipeline, load_text_encoder
-from trainer.sources import bundled_prefix, find_text_parts
 from trainer.train import run
 
 T5_TOKENS = 8
@@ -134,7 +134,7 @@ def test_fp8_t5_is_upcast(tmp_path, caplog):
     files = write_comfyui(tmp_path, bundled=False, t5_dtype=torch.float8_e4m3fn)
     fp8 = files["comfyui"] / "models" / "text_encoders" / "t5xxl_fp8_e4m3fn.safetensors"
     config = model_config(files)
-    with caplog.at_level(logging.INFO, logger="trainer.fp8"):
+    with caplog.at_level(logging.INFO, logger="trainer.inputs.fp8"):
         pipe = load_single_file_pipeline(find_text_parts(config, ""), load_base(config), dtype=torch.float32)
     assert "holds fp8 t5xxl weights; upcasting them to torch.float32" in caplog.text
     expected = load_file(str(fp8))["shared.weight"].float()
@@ -189,7 +189,7 @@ HUB_SCRIPT = textwrap.dedent(
     import sys
     from trainer.config import ModelConfig
     from trainer.model import load_base
-    from trainer.sources import find_text_parts
+    from trainer.inputs.sources import find_text_parts
     config = ModelConfig(base=sys.argv[1], revision=sys.argv[2])
     try:
         load_base(config)

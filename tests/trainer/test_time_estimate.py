@@ -8,8 +8,8 @@ import logging
 import pytest
 
 from trainer.config import TrainConfig
-from trainer.memory import plan_training
-from trainer.time_estimate import (
+from trainer.planning.memory import plan_training
+from trainer.planning.time_estimate import (
     GPUS,
     GpuSpec,
     ParamCounts,
@@ -82,7 +82,7 @@ def test_without_a_device_name_the_budget_picks_a_card():
 
 
 def test_an_unknown_card_plans_without_an_estimate_and_says_why(caplog):
-    with caplog.at_level(logging.INFO, logger="trainer.memory"):
+    with caplog.at_level(logging.INFO, logger="trainer.planning.memory"):
         plan, _ = plan_training(
             TrainConfig(), COUNTS, SHAPE, world_size=1, budget_gib=None, device_name="NVIDIA GeForce RTX 3090 Ti"
         )

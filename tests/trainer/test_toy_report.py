@@ -15,7 +15,7 @@ from sd3_testbed.eval import eval_set, generate, sample_hits
 from sd3_testbed.model import build_toy_model
 from sd3_testbed.reference import EvalSettings
 from sd3_testbed.report import compare, write_grid
-from trainer.export import write_report
+from trainer.publishing.export import write_report
 
 ONE_STEP = EvalSettings(steps=1)
 

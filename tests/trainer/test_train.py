@@ -69,7 +69,7 @@ def test_steps_on_a_fixed_batch_lower_the_loss(inputs, tmp_path):
     )  # fmt: skip
     before = initial_student(config)
     result = run(config)
-    from trainer.cache import CacheSource
+    from trainer.inputs.cache import CacheSource
 
     batch = CacheSource(inputs["fixed"]).load([0, 1, 2, 3])
     generator = torch.Generator().manual_seed(5)

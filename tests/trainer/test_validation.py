@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 
 from testing.trainer_assets import RECIPE_FLAGS, write_cache, write_pipeline
-from trainer.cache import CacheSource
 from trainer.cli import parse_args
 from trainer.data import BatchPlan
+from trainer.inputs.cache import CacheSource
 from trainer.metrics import read_metrics
 from trainer.model import load_base
 from trainer.train import run
@@ -197,7 +197,7 @@ def test_resume_reuses_the_encoded_prompts_and_the_teacher_samples(inputs, tmp_p
     def no_text_encoders(*args, **kwargs):
         raise AssertionError("the resumed run loaded the text encoders again")
 
-    monkeypatch.setattr("trainer.prepare.load_encoding_pipeline", no_text_encoders)
+    monkeypatch.setattr("trainer.inputs.prepare.load_encoding_pipeline", no_text_encoders)
     result = run(config_for(inputs, out, "--training.steps", "4", *flags))
     assert result.step == 4
     assert {name: (folder / name).stat().st_mtime_ns for name in stamps} == stamps

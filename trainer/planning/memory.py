@@ -7,10 +7,10 @@ unsharded blocks FSDP2 holds while computing, activations or, when larger, the A
 and a fixed runtime margin. Loading is a second peak, below training's: frozen weights are cast before
 they move (DDP) and FSDP2 moves one block at a time and shards it. The SD3.5 Medium figures were checked
 against a measured CPU training step (benchmarks/bench_memory_plan.py). `plan_training` adds the run's
-time estimate (`trainer.time_estimate`, which also defines the `ParamCounts` and `RunShape` both
+time estimate (`trainer.planning.time_estimate`, which also defines the `ParamCounts` and `RunShape` both
 estimates read; `count_parameters` and `run_shape` make them); `check_plan` refuses a plan over the
 budget, and `plan_run` is the trainer's step once the model is built. The phases before training
-(loading, data preparation, the attention transfer) are planned together in `trainer.run_plan`.
+(loading, data preparation, the attention transfer) are planned together in `trainer.planning.run_plan`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from trainer.time_estimate import GPUS, ParamCounts, RunShape, TimeEstimate, estimate_time, find_gpu
+from trainer.planning.time_estimate import GPUS, ParamCounts, RunShape, TimeEstimate, estimate_time, find_gpu
 
 if TYPE_CHECKING:
     from torch import nn
@@ -290,7 +290,7 @@ def plan_training(
     gpu = find_gpu(device_name, budget_gib)
     if gpu is None and device_name:
         known = ", ".join(gpu.name for gpu in GPUS)
-        logger.info("No time estimate: %s is not a GPU trainer.time_estimate knows (%s)", device_name, known)
+        logger.info("No time estimate: %s is not a GPU trainer.planning.time_estimate knows (%s)", device_name, known)
     if gpu is not None:
         time = estimate_time(
             counts,

@@ -4,7 +4,7 @@
 is downloaded with `huggingface_hub`, fetching only the files the run needs). `find_text_parts` finds
 what encodes captions and prompts: a diffusers pipeline folder, or for a single-file checkpoint the
 CLIP-L / CLIP-G / T5-XXL weights (bundled in the checkpoint or in separate files), the configs to build
-them and the tokenizers. The models themselves load in `trainer.single_file` with diffusers and
+them and the tokenizers. The models themselves load in `trainer.inputs.single_file` with diffusers and
 transformers classes.
 """
 
@@ -36,7 +36,7 @@ COMFY_ENCODER_NAMES: dict[str, tuple[str, ...]] = {
 }
 """The file names ComfyUI's SD3 workflows load from `models/text_encoders/` (and the scaled-fp8 T5 other
 workflows load), in order of preference."""
-PARTS_CONFIG_DIR = Path(__file__).resolve().parent / "configs" / "sd3_parts"
+PARTS_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "sd3_parts"
 """Shipped diffusers / transformers configs of SD3's VAE, text encoders and scheduler (shared by SD3 Medium,
 SD3.5 Medium and SD3.5 Large)."""
 COMFY_TOKENIZERS = ("comfy/sd1_tokenizer", "comfy/sd1_tokenizer", "comfy/text_encoders/t5_tokenizer")

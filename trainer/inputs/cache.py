@@ -1,4 +1,4 @@
-"""The prepared-data cache: sharded safetensors written once (`trainer.prepare`), read by `CacheSource`.
+"""The prepared-data cache: sharded safetensors written once (`trainer.inputs.prepare`), read by `CacheSource`.
 
 A cache folder holds `shard-{i:05d}.safetensors` files, each of one latent size (aspect bucket) with
 `latents (n, C, h, w)`, `context (n, T, J)` and `pooled (n, P)` and metadata (`latent_hw`, `pixel_wh`,

@@ -36,14 +36,14 @@ from t5core.sd3_keys import key_rules
 from t5core.weights import save
 from trainer.config import OutputConfig, TrainConfig
 from trainer.distributed import World
-from trainer.hub import HubTarget, push_to_hub
 from trainer.low_rank import factor_names
 from trainer.model import ParamSplit, base_checkpoint_dtype
-from trainer.model_card import RUN_CARD, base_digests, card_name, model_card
+from trainer.publishing.hub import HubTarget, push_to_hub
+from trainer.publishing.model_card import RUN_CARD, base_digests, card_name, model_card
 
 if TYPE_CHECKING:
     from trainer.loop import LoopResult
-    from trainer.memory import MemoryPlan
+    from trainer.planning.memory import MemoryPlan
 
 __all__ = [
     "BaseRecord",

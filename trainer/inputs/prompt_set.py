@@ -4,7 +4,7 @@ Every prompt fills one template with a subject, a setting, a style, a compositio
 written for this project (no dataset is copied). The full product of the lists holds millions of
 prompts; `default_prompts` walks it with a fixed stride coprime to its size, so the first prompts
 already vary in every part, the order never changes, and no prompt repeats. Compositions say nothing
-about the frame's shape: the aspect ratio is the bucket's, assigned by `trainer.prepare`.
+about the frame's shape: the aspect ratio is the bucket's, assigned by `trainer.inputs.prepare`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config import OutputConfig
-from trainer.model_card import RUN_CARD
+from trainer.publishing.model_card import RUN_CARD
 
 __all__ = ["HubError", "HubTarget", "hub_target", "push_to_hub", "retry_command"]
 

@@ -13,7 +13,7 @@ generates (the base the run trains stays on the host, in fp32, untouched). A sha
 kept, so an interrupted preparation resumes where it stopped; `plan.json` records what the shards hold,
 and a cache folder planned for other inputs or settings is refused rather than mixed. Unreadable images
 and missing captions are skipped and counted, never a crash mid-run; an empty input is an error. The
-cache's files and format are `trainer.cache`'s.
+cache's files and format are `trainer.inputs.cache`'s.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from t5core.atomic import write_atomic
-from trainer.cache import MANIFEST, check_finished, check_plan, finish_cache, shard_name, write_shard
 from trainer.config import DataConfig, TrainConfig
 from trainer.data import Batch, bucket_sizes, nearest_bucket
 from trainer.distributed import World
-from trainer.prompt_set import default_prompts
+from trainer.inputs.cache import MANIFEST, check_finished, check_plan, finish_cache, shard_name, write_shard
+from trainer.inputs.prompt_set import default_prompts
+from trainer.inputs.sources import PipelineFiles
 from trainer.seeds import derived_seed
-from trainer.sources import PipelineFiles
 
 __all__ = [
     "DEFAULT_RESOLUTION",
@@ -102,7 +102,7 @@ def load_encoding_pipeline(files: Path | PipelineFiles, transformer: nn.Module, 
     diffusers folder (components it leaves out stay None) or the parts of a single-file checkpoint."""
     from diffusers import StableDiffusion3Pipeline
 
-    from trainer.single_file import load_single_file_pipeline
+    from trainer.inputs.single_file import load_single_file_pipeline
 
     files = files if isinstance(files, PipelineFiles) else PipelineFiles(folder=files)
     dtype = _pipeline_dtype(world)
@@ -224,7 +224,7 @@ def _uncond(pipe, data: DataConfig) -> Batch:
 
 
 def _finish(cache_dir: Path, uncond: Batch, world: World, *, kind: str, planned: int, skipped: dict[str, str]) -> None:
-    """After every rank wrote its shards: rank 0 closes the cache (`trainer.cache.finish_cache`; collective).
+    """After every rank wrote its shards: rank 0 closes the cache (`trainer.inputs.cache.finish_cache`; collective).
 
     Raises:
         ValueError: on every rank, when no input could be used.
@@ -475,11 +475,11 @@ def prepare_data(
 
     `images`: the image folder `data.path` (captions in `name.txt` beside `name.png`). `prompts`: the
     frozen softmax model generates latents for each prompt of the file `data.path`, or of the shipped
-    default set (`trainer.prompt_set`) when it is empty; `data.prompt_limit` keeps the first prompts.
+    default set (`trainer.inputs.prompt_set`) when it is empty; `data.prompt_limit` keeps the first prompts.
 
     Args:
         data (`DataConfig`): the data section; `resolution` 0 means `DEFAULT_RESOLUTION`.
-        pipeline (`Path` or `PipelineFiles`): what encodes the data (`trainer.sources.find_text_parts`).
+        pipeline (`Path` or `PipelineFiles`): what encodes the data (`trainer.inputs.sources.find_text_parts`).
         transformer (`nn.Module`): the base transformer: its patch size sets the bucket sizes, and `prompts`
             samples with a frozen copy of it in the pipeline's dtype (the base itself stays on the host).
         progress (`bool`): show rank 0's progress bar. Default: `True`.

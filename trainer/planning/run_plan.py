@@ -10,7 +10,7 @@ A run passes through phases, each with its own peak of memory per GPU:
   dtype generates a shard (with guidance, twice its prompts a call);
 * the attention transfer, where `--transfer.steps` asks for it: the student's weights, one block's softmax
   forward and one module's T5 activations;
-* the training steps (`trainer.memory.plan_memory`).
+* the training steps (`trainer.planning.memory.plan_memory`).
 
 `plan_whole_run` reads the base's transformer config (a folder's config.json, or the shipped config a
 single file matches), builds the converted model on the meta device to count its parameters, and reads the
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.memory import (
+from trainer.planning.memory import (
     BLOCK_ACTIVATION_WIDTHS,
     GIB,
     RUNTIME_MARGIN_GIB,
@@ -43,13 +43,13 @@ from trainer.memory import (
     run_shape,
     training_fixes,
 )
-from trainer.time_estimate import ParamCounts, RunShape
+from trainer.planning.time_estimate import ParamCounts, RunShape
 
 if TYPE_CHECKING:
     from t5core.hosts.diffusers import T5Handle
     from trainer.config import TrainConfig
     from trainer.distributed import World
-    from trainer.sources import PipelineFiles
+    from trainer.inputs.sources import PipelineFiles
 
 __all__ = [
     "EncoderCounts",
@@ -260,7 +260,7 @@ def encoder_counts(files: PipelineFiles, *, max_sequence_length: int) -> Encoder
 def _largest_pixels(config: TrainConfig, multiple: int) -> tuple[int, int]:
     """The largest bucket's pixel size `(width, height)` at `--data.resolution`."""
     from trainer.data import bucket_sizes
-    from trainer.prepare import DEFAULT_RESOLUTION
+    from trainer.inputs.prepare import DEFAULT_RESOLUTION
 
     sizes = bucket_sizes(config.data.buckets, config.data.resolution or DEFAULT_RESOLUTION, multiple)
     return max(sizes, key=lambda wh: wh[0] * wh[1])
@@ -268,7 +268,7 @@ def _largest_pixels(config: TrainConfig, multiple: int) -> tuple[int, int]:
 
 def _cached_tokens(folder: Path, patch: int) -> tuple[int, int]:
     """`(image tokens, text tokens)` of a finished cache's largest bucket."""
-    from trainer.cache import CacheSource
+    from trainer.inputs.cache import CacheSource
 
     source = CacheSource(folder)
     (height, width), indices = max(source.buckets().items(), key=lambda item: item[0][0] * item[0][1])
@@ -344,7 +344,7 @@ def _validation(
 ) -> None:  # fmt: skip
     """Add validation's phases (`--validation.enabled`): embedding its prompts before training, and sampling and
     decoding them while training's weights and optimizer state stay on the device."""
-    from trainer.prepare import read_prompts
+    from trainer.inputs.prepare import read_prompts
     from trainer.validation import DECODE_BATCH, DEFAULT_PROMPTS, SAMPLE_BATCH
 
     settings = config.validation
@@ -375,15 +375,15 @@ def plan_whole_run(config: TrainConfig, world: World) -> RunPlan | None:
 
     Raises:
         FileNotFoundError / ValueError: as `trainer.model.load_base`, for a base that is missing or not SD3, and
-            as `trainer.prepare.prepare_data` for missing or empty data inputs.
+            as `trainer.inputs.prepare.prepare_data` for missing or empty data inputs.
     """
     from trainer.presets import get_preset
 
     if get_preset(config.model.base) is not None:
         return None
+    from trainer.inputs.prepare import cache_dir_of, check_inputs, needs_preparation
+    from trainer.inputs.sources import find_text_parts
     from trainer.model import base_files
-    from trainer.prepare import cache_dir_of, check_inputs, needs_preparation
-    from trainer.sources import find_text_parts
 
     budget, device_name = device_budget(config, world)
     transformer = base_files(config.model).read_config()

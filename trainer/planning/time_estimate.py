@@ -1,7 +1,7 @@
 """The time estimate of a run: the matmul and attention FLOPs of a step over a GPU's dense bf16 peak
-at an assumed utilisation. A planning figure, never a measurement; `trainer.memory.plan_training`
+at an assumed utilisation. A planning figure, never a measurement; `trainer.planning.memory.plan_training`
 prints it beside the memory plan. `ParamCounts` and `RunShape`, what the time and the memory
-estimates read, are defined here (`trainer.memory` builds them from a model).
+estimates read, are defined here (`trainer.planning.memory` builds them from a model).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from trainer.config import TEXT_ENCODERS
-from trainer.fp8 import read_weights
-from trainer.sources import PipelineFiles, bundled_prefix
+from trainer.inputs.fp8 import read_weights
+from trainer.inputs.sources import PipelineFiles, bundled_prefix
 
 __all__ = ["load_single_file_pipeline", "load_text_encoder", "load_vae"]
 
