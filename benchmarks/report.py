@@ -279,27 +279,6 @@ def _row(result: Result, size: int, path: str, step: str) -> dict[str, Any]:
     return next(r for r in result["rows"] if (r["size"], r["path"], r["step"]) == (size, path, step))
 
 
-def _comfy_step(result: Result) -> list[str]:
-    meta = result["meta"]
-    intro = (
-        "**Superseded by the current script's whole-model step; kept for the record.** An earlier version of the "
-        "script, before the chunked torch path of T5 attention: one ComfyUI sampling step (one "
-        f"euler step, CFG batch {meta['cfg_batch']}, {meta['text_tokens']} text tokens, {meta['dtype']}) of ComfyUI's "
-        f"MMDiT with SD3.5 Medium's width and random weights, **only the first {meta['blocks']} of 24 blocks**; "
-        "softmax is SDPA, T5 runs whatever `auto` picks."
-    )
-    specs = list(dict.fromkeys(row["path"] for row in result["rows"] if row["path"] != "softmax"))
-    rows = []
-    for size in dict.fromkeys(row["size"] for row in result["rows"]):
-        by_path = {row["path"]: row for row in result["rows"] if row["size"] == size}
-        base = by_path["softmax"]["median_ms"]
-        times = [_ms(by_path[s]["median_ms"]) if by_path[s]["status"] == "ok" else "FAIL" for s in specs]
-        ratios = [_x(speedup(base, by_path[s]["median_ms"])) if by_path[s]["status"] == "ok" else "-" for s in specs]
-        rows.append([f"{size}x{size}", _ms(base), *times, *ratios])
-    header = ["image", "softmax ms", *(f"T5 `{s}` ms" for s in specs), *(f"speedup `{s}`" for s in specs)]
-    return [intro, "", *_table(header, rows)]
-
-
 def _toy_speed(result: Result) -> list[str]:
     meta = result["meta"]
     intro = (
@@ -484,12 +463,6 @@ SECTIONS: tuple[tuple[str, str, str, Renderer], ...] = (
     ),
     ("kernels_sweep_*.json", "Kernel launch settings", "python -m benchmarks.sweep_kernels", _sweep),
     ("kernels_*.json", "Triton kernels", "python -m benchmarks.bench_kernels", _kernels),
-    (
-        "comfy_step_*.json",
-        "One ComfyUI sampling step, 2 of 24 blocks (superseded)",
-        "python -m benchmarks.bench_comfy_step --blocks 2",
-        _comfy_step,
-    ),
     ("comfy_dynamic_vram_*.json", "ComfyUI Dynamic VRAM", "python -m tools.comfy_dynamic_vram", _dynamic_vram),
     ("comfy_lowvram_*.json", "ComfyUI partial (low-VRAM) load", "python -m tools.comfy_lowvram", _lowvram),
     ("file_size.json", "T5 weights file size", "python -m benchmarks.bench_file_size", _file_size),
