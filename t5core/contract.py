@@ -50,7 +50,7 @@ def fast_weight_names(variant: str) -> tuple[str, ...]:
     return tuple(f"w{index}" for index in range(1, FAST_WEIGHTS[variant] + 1))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)  # no __slots__: torch.compile's guards hold it by weak reference
 class T5Layout:
     """Everything about one checked call except its tensors: shapes, token layout and options.
 
