@@ -25,10 +25,12 @@ from testing.tolerances import CHUNKED_RATIO, assert_close
 RATIO = CHUNKED_RATIO[torch.float32]
 ONE_GRAPH_TORCH = (2, 11)
 """The oldest torch whose dynamo traces the T5 forward as one graph that these tests hold it to (the torch of the
-project's ComfyUI environment); older dynamo compiles it with graph breaks."""
+project's ComfyUI environment; its recompile counts are held exactly there); older dynamo compiles it with graph
+breaks."""
 
+TORCH = tuple(int(part) for part in torch.__version__.split(".")[:2])
 pytestmark = pytest.mark.skipif(
-    tuple(int(part) for part in torch.__version__.split(".")[:2]) < ONE_GRAPH_TORCH,
+    TORCH < ONE_GRAPH_TORCH,
     reason=f"one graph is checked from torch {'.'.join(map(str, ONE_GRAPH_TORCH))}; torch {torch.__version__}'s "
     "dynamo breaks the T5 forward into more graphs",
 )
@@ -95,10 +97,13 @@ def test_converted_transformer_is_one_graph_and_recompiles_once_per_dynamic_size
     linearize(model, **spec)
     graphs: list[torch.fx.GraphModule] = []
     compiled = torch.compile(model, backend=counting_backend(graphs))
-    for batch, latent_hw, expected_graphs in CALLS:
+    for index, (batch, latent_hw, expected_graphs) in enumerate(CALLS):
         inputs = tiny_inputs(batch=batch, latent_hw=latent_hw)
         with torch.no_grad():
             out = compiled(**inputs).sample
             ref = model(**inputs).sample
-        assert len(graphs) == expected_graphs, f"batch {batch}, latent {latent_hw}: {len(graphs)} graphs"
+        if TORCH[:2] == ONE_GRAPH_TORCH:
+            assert len(graphs) == expected_graphs, f"batch {batch}, latent {latent_hw}: {len(graphs)} graphs"
+        else:  # newer dynamo may recompile where 2.11 reuses a graph; a graph break would add two or more
+            assert len(graphs) <= index + 1, f"batch {batch}, latent {latent_hw}: {len(graphs)} graphs"
         assert_close(f"batch {batch}, latent {latent_hw}", ref, out, RATIO)
