@@ -34,6 +34,7 @@ from trainer.planning.memory import (
     BLOCK_ACTIVATION_WIDTHS,
     GIB,
     RUNTIME_MARGIN_GIB,
+    TRAINED_BYTES,
     MemoryPlan,
     PlanDoesNotFit,
     PlanSettings,
@@ -357,7 +358,7 @@ def _validation(
     embedding = resident + text_activations_gib(encoders, prompts + 1, dtype_bytes=size)
     phases.add("validation: embedding prompts", embedding, note=f"{prompts} prompts and the empty one", hint=off)
     low = 2 if config.training.precision == "bf16" else 4
-    autocast_copies = plan.components["trained weights+grads+AdamW"] / 16 * 2 if low == 2 else 0.0
+    autocast_copies = plan.components["trained weights+grads+AdamW"] / TRAINED_BYTES * 2 if low == 2 else 0.0
     samples = (2 if settings.guidance_scale > 1 else 1) * min(SAMPLE_BATCH, prompts)
     sampling = dataclasses.replace(shape, batch_per_rank=samples)
     tokens = samples * (sampling.image_tokens + sampling.text_tokens)
