@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from torch import Tensor
 
 from t5core.attention import T5Attention
-from t5core.config import BaseArch, T5Config
+from t5core.config import T5_SETTINGS, BaseArch, T5Config
 from t5core.deltas import Delta
 from t5core.layers import LayerSpec
 from t5core.sd3_keys import diffusers_module, diffusers_to_sd3, key_rules
@@ -151,6 +151,22 @@ def check_fingerprint(weights: T5Weights, model_fingerprint: Callable[[], str]) 
     return False
 
 
+def _check_settings(weights: T5Weights, config: T5Config) -> None:
+    """Check that a weights file holds the T5 settings `config` asks for (its layers are not compared).
+
+    Raises:
+        T5WeightsError: naming each setting that differs, the file's value beside the asked one.
+    """
+    held, asked = weights.config.settings(), config.settings()
+    differ = [name for name in T5_SETTINGS if held[name] != asked[name]]
+    if differ:
+        raise T5WeightsError(
+            f"{weights.name}: holds {', '.join(f'{name} {held[name]!r}' for name in differ)}, but the config "
+            f"asks for {', '.join(f'{name}={asked[name]!r}' for name in differ)}. A weights file brings its "
+            "own settings: drop the config, or give one with the file's settings."
+        )
+
+
 def prepare(
     weights: T5Weights | str | os.PathLike[str],
     arch: BaseArch,
@@ -158,7 +174,7 @@ def prepare(
     model_state: Callable[[], Mapping[str, Tensor]],
     model_fingerprint: Callable[[], str],
     layers: LayerSpec | None = None,
-    variant: str | None = None,
+    config: T5Config | None = None,
     backend: str = "auto",
 ) -> Prepared:
     """Load and check a T5 weights file for a model, and build its T5 modules.
@@ -172,7 +188,8 @@ def prepare(
             changes it; called only when the file has a fingerprint (`check_fingerprint`).
         layers: restricts the conversion to a subset of the file's layers (a layer spec); None takes
             all of them.
-        variant: the inner model the caller expects; None takes the file's.
+        config: the T5 settings the caller expects (`T5Config.settings()`; its layers are not read,
+            `layers` restricts them); None takes the file's.
         backend: `"auto" | "torch" | "triton"` for every `T5Attention`.
 
     Returns:
@@ -180,16 +197,13 @@ def prepare(
 
     Raises:
         FileNotFoundError: `weights` is a path that does not exist.
-        T5WeightsError: the file is unreadable, of another variant, for another architecture, cannot
+        T5WeightsError: the file is unreadable, has other settings than `config`, is for another architecture, cannot
             serve `layers`, or has `base.*` tensors or deltas of tensors the model lacks or holds in
             another shape.
     """
     weights = weights if isinstance(weights, T5Weights) else load(weights)
-    if variant is not None and variant != weights.config.variant:
-        raise T5WeightsError(
-            f"{weights.name}: holds variant {weights.config.variant!r}, but variant={variant!r} "
-            "was requested. Drop the variant argument."
-        )
+    if config is not None:
+        _check_settings(weights, config)
     chosen = check_compatible(weights, arch, layers)
     if weights.base or weights.deltas:
         check_base(weights, model_state())

@@ -11,11 +11,11 @@ which the CLI and `trainer.train.run` call. This module imports nothing of the t
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
-from t5core.config import T5_SETTINGS
+from t5core.config import T5_SETTINGS, T5Config
 from t5core.contract import Variant
 from t5core.hybrid import JointMode, Merge
 from t5core.neighborhood import is_neighborhood
@@ -113,10 +113,10 @@ class ModelConfig:
     alpha: float = 0.0
     """With `--model.rank r`: the low-rank delta is scaled by alpha / r; 0 = r (scale 1)."""
 
-    def t5_settings(self) -> dict[str, Any]:
-        """The T5 settings of this section, by `t5core.config.T5_SETTINGS` name (this section's fields of the
-        same names), for a fresh conversion."""
-        return {name: getattr(self, name) for name in T5_SETTINGS}
+    def t5_config(self) -> T5Config:
+        """The T5 settings of this section (its fields named in `t5core.config.T5_SETTINGS`) as a `T5Config`;
+        its layers stay empty: `layers` is a spec, resolved against the base when it is converted."""
+        return T5Config(**{name: getattr(self, name) for name in T5_SETTINGS})
 
     def __post_init__(self) -> None:
         _require(bool(self.base), "model.base", "give `toy`, a diffusers folder or a .safetensors checkpoint.")

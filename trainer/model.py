@@ -263,7 +263,7 @@ def make_teacher(base: nn.Module, *, dtype: torch.dtype) -> nn.Module:
 
 def build_student(base: nn.Module, config: ModelConfig) -> T5Handle:
     """Convert the base in place with `linearize`; the handle holds the new modules and the undo."""
-    return linearize(base, layers=config.layers, backend=config.backend, **config.t5_settings())
+    return linearize(base, config=config.t5_config(), layers=config.layers, backend=config.backend)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -27,7 +27,6 @@ from t5core.config import BaseArch, T5Config
 from t5core.convert import prepare
 from t5core.deltas import Delta, TensorsOnRead, diffusers_deltas, fingerprint, fingerprint_keys
 from t5core.hosts.diffusers_runtime import T5AttnProcessor, drop_grid_hook, grid_hook
-from t5core.hybrid import JointMode, Merge
 from t5core.layers import LayerSpec, resolve_layers
 from t5core.sd3_keys import diffusers_module, diffusers_to_sd3, key_rules, layer_name, sd3_to_diffusers
 from t5core.weights import T5Weights
@@ -189,17 +188,24 @@ def _install(transformer: nn.Module, modules: dict[str, T5Attention]) -> list[Re
     return hooks
 
 
+def _layer_spec(config: T5Config | None, layers: LayerSpec | None, arch: BaseArch) -> LayerSpec | None:
+    """The layers asked for, by `config.layers` or `layers` (None: neither names any); both must agree."""
+    if config is None or not config.layers:
+        return layers
+    if layers is not None and resolve_layers(layers, arch) != resolve_layers(config.layers, arch):
+        raise ValueError(
+            f"layers={layers!r} and config.layers {list(config.layers)} name different modules; "
+            "give the layers once, in config.layers or in layers."
+        )
+    return config.layers
+
+
 def linearize(
     transformer: nn.Module,
     *,
+    config: T5Config | None = None,
     layers: LayerSpec | None = None,
     weights: str | os.PathLike[str] | T5Weights | None = None,
-    variant: str | None = None,
-    key_norm_eps: float | None = 1.0,
-    locality: bool = True,
-    joint_mode: JointMode = "ttt",
-    merge: Merge = "cumulant",
-    neighborhood: int = 0,
     backend: str = "auto",
     inplace: bool = True,
 ) -> T5Handle:
@@ -207,14 +213,15 @@ def linearize(
 
     Args:
         transformer: the diffusers SD3 / SD3.5 transformer.
-        layers: layer spec (`"paper"`, `"all"`, `"joint:18-23,attn2:0-12"`, ...). Default: `"paper"`
+        config: the T5 settings (variant, key norm, locality, joint mode, merge, neighbourhood) and,
+            if its `layers` is not empty, the modules to convert. Fresh modules are built as it says
+            (None: `T5Config()`, the paper's settings); with `weights`, its settings must be the
+            file's, which brings its own. Default: None.
+        layers: layer spec (`"paper"`, `"all"`, `"joint:18-23,attn2:0-12"`, ...) for when `config`
+            names no layers; naming other modules than `config.layers` is an error. Default: `"paper"`
             for fresh T5 modules, the file's layers when `weights` is given.
         weights: a T5 weights file (path or loaded) to initialise from: its `base.*` tensors replace
             the model's, its deltas add to them.
-        variant: inner model for fresh modules (`"swiglu"` by default); must match a given file.
-        key_norm_eps, locality, joint_mode, merge, neighborhood: T5 settings for fresh modules (a file
-            brings its own); `joint_mode="hybrid"` keeps exact softmax wherever text takes part,
-            `neighborhood=5` blends 5x5 neighbourhood softmax into the image rows (`T5Config`).
         backend: `"auto" | "torch" | "triton"` for every `T5Attention`.
         inplace: convert `transformer` itself (True) or a deep copy (False, returned as `handle.model`).
 
@@ -222,11 +229,15 @@ def linearize(
         A `T5Handle`; `handle.remove()` undoes the conversion.
 
     Raises:
-        TypeError: not an SD3-family diffusers transformer.
-        ValueError: a bad layer spec or setting, or a transformer that is already converted.
-        T5WeightsError: a weights file that does not fit the model or the request.
+        TypeError: not an SD3-family diffusers transformer, or `config` is not a `T5Config`.
+        ValueError: a bad layer spec, `layers` and `config.layers` that name different modules, or a
+            transformer that is already converted.
+        T5WeightsError: a weights file that does not fit the model, `config` or `layers`.
     """
     arch = arch_of(transformer)
+    if config is not None and not isinstance(config, T5Config):
+        raise TypeError(f"config must be a t5core.config.T5Config or None; got {type(config).__name__}.")
+    spec = _layer_spec(config, layers, arch)
     if converted_layers(transformer):
         raise ValueError(
             "this transformer is already converted to T5 attention; call .remove() on its handle "
@@ -235,16 +246,8 @@ def linearize(
     if not inplace:
         transformer = copy.deepcopy(transformer)
     if weights is None:
-        names = resolve_layers("paper" if layers is None else layers, arch)
-        config = T5Config(
-            variant or "swiglu",
-            key_norm_eps,
-            locality,
-            names,
-            joint_mode=joint_mode,
-            merge=merge,
-            neighborhood=neighborhood,
-        )
+        names = resolve_layers("paper" if spec is None else spec, arch)
+        config = replace(config or T5Config(), layers=names)
         modules = {
             name: T5Attention.from_config(config, arch.heads, arch.head_dim, layer=name, backend=backend)
             for name in names
@@ -256,8 +259,8 @@ def linearize(
             arch,
             model_state=functools.partial(_sd3_state, transformer, arch),
             model_fingerprint=functools.partial(_fingerprint, transformer, arch),
-            layers=layers,
-            variant=variant,
+            layers=spec,
+            config=config,
             backend=backend,
         )
         config, modules = prepared.config, prepared.modules

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from t5core import T5Attention
+from t5core import T5Attention, T5Config
 from t5core import weights as t5w
 from t5core.convert import base_tensors
 from t5core.deltas import fingerprint, sd3_deltas
@@ -170,10 +170,30 @@ def test_a_file_for_another_model_is_refused_and_the_model_is_unchanged(tmp_path
     assert torch.equal(run(model), before)
 
 
+def test_a_config_carries_the_settings_and_may_name_the_layers(tmp_path):
+    config = T5Config(variant="mlp", layers=("blocks.2.attn", "blocks.0.attn2"))
+    handle = linearize(tiny_transformer(), config=config)
+    assert handle.config == T5Config(variant="mlp", layers=("blocks.0.attn2", "blocks.2.attn"))
+    assert handle.modules["blocks.2.attn"].variant == "mlp"
+    assert linearize(tiny_transformer(), config=config, layers="joint:2,attn2:0").config == handle.config
+    path = t5w.save(tmp_path / "t5.safetensors", linearize(tiny_transformer(), layers="all"))
+    subset = linearize(tiny_transformer(), weights=path, config=T5Config(layers=("blocks.1.attn2",)))
+    assert subset.config.layers == ("blocks.1.attn2",)
+
+
+def test_a_config_and_layers_that_disagree_or_a_config_of_another_type_are_refused():
+    model = tiny_transformer()
+    with pytest.raises(ValueError, match=r"layers='all' and config.layers \['blocks.2.attn'\] name different modules"):
+        linearize(model, config=T5Config(layers=("blocks.2.attn",)), layers="all")
+    with pytest.raises(TypeError, match="config must be a t5core.config.T5Config or None; got dict"):
+        linearize(model, config={"variant": "mlp"})
+    assert not converted_layers(model)
+
+
 def test_a_variant_clash_with_a_file_is_refused(tmp_path):
     path = t5w.save(tmp_path / "t5.safetensors", linearize(tiny_transformer(), layers="all"))
-    with pytest.raises(t5w.T5WeightsError, match="holds variant 'swiglu'.*variant='mlp'"):
-        linearize(tiny_transformer(), weights=path, variant="mlp")
+    with pytest.raises(t5w.T5WeightsError, match="holds variant 'swiglu', but the config asks for variant='mlp'"):
+        linearize(tiny_transformer(), weights=path, config=T5Config(variant="mlp"))
 
 
 def test_base_tensors_that_do_not_fit_are_refused_before_anything_changes(tmp_path):
@@ -214,7 +234,7 @@ def test_not_an_sd3_model_is_refused():
 
 def test_mlp_variant_and_no_locality_convert_and_run():
     model = tiny_transformer()
-    handle = linearize(model, layers="all", variant="mlp", locality=False, key_norm_eps=None)
+    handle = linearize(model, config=T5Config(variant="mlp", key_norm_eps=None, locality=False), layers="all")
     module = handle.modules["blocks.0.attn"]
     assert isinstance(module, T5Attention) and module.variant == "mlp" and not module.locality
     assert torch.isfinite(run(model)).all()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from t5core import T5Attention, backend
+from t5core import T5Attention, T5Config, backend
 from t5core.hosts.diffusers import linearize
 from testing.models import tiny_inputs, tiny_transformer
 from testing.tolerances import CHUNKED_RATIO, assert_close
@@ -89,7 +89,7 @@ CALLS = [(2, (8, 8), 1), (2, (12, 16), 2), (2, (16, 12), 2), (3, (16, 12), 3), (
     "spec",
     [
         pytest.param(dict(layers="paper"), id="paper"),
-        pytest.param(dict(layers="all", joint_mode="hybrid"), id="all-hybrid"),
+        pytest.param(dict(layers="all", config=T5Config(joint_mode="hybrid")), id="all-hybrid"),
     ],
 )
 def test_converted_transformer_is_one_graph_and_recompiles_once_per_dynamic_size(spec):

@@ -86,7 +86,12 @@ def test_another_base_is_one_warning_naming_both_fingerprints_and_the_files_base
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        pytest.param({"variant": "mlp"}, r"holds variant 'swiglu', but variant='mlp'.*Drop the variant", id="variant"),
+        pytest.param(
+            {"config": T5Config(variant="mlp", locality=False)},
+            r"holds variant 'swiglu', locality True, but the config asks for variant='mlp', locality=False\. "
+            "A weights file brings its own settings",
+            id="settings",
+        ),
         pytest.param({"layers": "joint:1"}, r"also needs blocks\.1\.attn", id="layers"),
     ],
 )

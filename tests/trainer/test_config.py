@@ -135,7 +135,7 @@ def test_the_toy_full_linear_recipe_is_the_measured_one():
 
     config = parse_args(["--config", str(CONFIGS_DIR.parent / "toy_all_hybrid.toml")])
     assert (config.model.base, config.model.layers, config.model.joint_mode) == ("toy", "all", "hybrid")
-    results = CONFIGS_DIR.parents[2] / "benchmarks" / "results" / "ablations_1800_480.json"
+    results = CONFIGS_DIR.parents[2] / "experiments" / "results" / "ablations_1800_480.json"
     budget = json.loads(results.read_text())["meta"]["budget"]
     assert config.training.steps == budget["steps"] and config.training.batch_size == budget["batch_size"]
     assert config.data.caption_dropout == budget["caption_dropout"]
@@ -169,6 +169,6 @@ def test_the_model_section_carries_every_t5_setting_with_t5configs_default():
     from trainer.config import ModelConfig
 
     assert T5_SETTINGS == ("variant", "key_norm_eps", "locality", "joint_mode", "merge", "neighborhood")
-    assert ModelConfig().t5_settings() == T5Config().settings()
+    assert ModelConfig().t5_config() == T5Config()
     changed = ModelConfig(joint_mode="hybrid", merge="learned", neighborhood=5, key_norm_eps=None)
-    assert T5Config(**changed.t5_settings()).settings() == changed.t5_settings()
+    assert changed.t5_config().settings() == {name: getattr(changed, name) for name in T5_SETTINGS}

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from t5core.config import T5Config
 from t5core.hosts.diffusers import linearize
 from testing.models import tiny_inputs
 from testing.trainer_assets import cache_run_flags, write_base, write_cache
@@ -59,7 +60,7 @@ def test_transfer_only_trains_the_t5_parameters_toward_softmax(inputs, tmp_path)
         inputs, tmp_path, "--transfer.steps", "6", "--transfer.lr", "3e-3", "--training.steps", "0",
         "--checkpoint.every", "0",
     )  # fmt: skip
-    fresh = linearize(load_base(config.model), layers="all", joint_mode="hybrid")
+    fresh = linearize(load_base(config.model), config=T5Config(joint_mode="hybrid"), layers="all")
     before = _module_errors(fresh)
     result = run(config)
     after = _module_errors(result.handle)

@@ -89,7 +89,7 @@ def _conversion_section(config: TrainConfig, report: Mapping[str, Any]) -> list[
         *_rows(
             [
                 ("layer spec (`--model.layers`)", model.layers),
-                *((f"`--model.{name}`", value) for name, value in model.t5_settings().items()),
+                *((f"`--model.{name}`", value) for name, value in model.t5_config().settings().items()),
             ]
         ),
         "",
