@@ -1,7 +1,7 @@
 """The project's packages import each other without cycles, and the trainer's config is a leaf.
 
 The graph is static: every `import` statement of every tracked module of t5core, t5kernels,
-trainer and nodes, read with `ast`, wherever it stands (module level, inside a function, under
+trainer, sd3_testbed, nodes and experiments, read with `ast`, wherever it stands (module level, inside a function, under
 `if TYPE_CHECKING:`). A deferred or type-only import hides a cycle from the interpreter, not from
 the design: the two modules still depend on each other.
 """
@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("t5core", "t5kernels", "trainer", "sd3_testbed", "nodes")
+PACKAGES = ("t5core", "t5kernels", "trainer", "sd3_testbed", "nodes", "experiments")
 
 
 def _modules() -> dict[str, Path]:
@@ -100,3 +100,15 @@ def test_no_import_cycle():
 
 def test_trainer_config_imports_no_trainer_module():
     assert not {name for name in import_graph()["trainer.config"] if name.startswith("trainer")}
+
+
+def test_nothing_shipped_imports_experiments():
+    """The toy experiments sit on top: the library, trainer, toy and nodes never depend on them."""
+    arrows = {
+        (module, target)
+        for module, targets in import_graph().items()
+        if not module.startswith("experiments")
+        for target in targets
+        if target.startswith("experiments")
+    }
+    assert not arrows

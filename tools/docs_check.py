@@ -41,6 +41,7 @@ REPO_ENTRIES = (
     "nodes",
     "trainer",
     "sd3_testbed",
+    "experiments",
     "benchmarks",
     "tools",
     "testing",
@@ -49,13 +50,14 @@ REPO_ENTRIES = (
 )
 REPO_ENTRIES += ("docs", ".ci")
 REPO_FILES = ("README.md", "pyproject.toml", "__init__.py")
-PACKAGES = ("t5core", "t5kernels", "trainer", "sd3_testbed", "benchmarks", "tools")
+PACKAGES = ("t5core", "t5kernels", "trainer", "sd3_testbed", "experiments", "benchmarks", "tools")
 SOURCE_GLOBS = (
     "t5core/**/*.py",
     "t5kernels/**/*.py",
     "nodes/**/*.py",
     "trainer/**/*.py",
     "sd3_testbed/**/*.py",
+    "experiments/**/*.py",
     "benchmarks/**/*.py",
 )
 SOURCE_GLOBS += ("tools/*.py", "benchmarks/*.sh", "testing/*.py", "tests/**/*.py", ".ci/run", "pyproject.toml")

@@ -1,7 +1,7 @@
 """The frontier of full linear time on the toy as a picture: ToyEval and validation loss (over the
 teacher's) against total training time, one line per recipe, from the trainer-run rows of ablation results.
 
-    python -m benchmarks.frontier_plot --json ablations_frontier_seed0 --out docs/toy_frontier.png
+    python -m experiments.frontier_plot --json ablations_frontier_seed0 --out docs/toy_frontier.png
 
 Each point is one row's mean over its seeds; a recipe's line joins its rows in order of training time.
 The dashed lines are the teacher (ToyEval, and val loss 1.0x) and the goal's 1.10x; the dotted vertical
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-from benchmarks.timing import RESULTS_DIR
+from experiments import RESULTS_DIR
 
 __all__ = ["RECIPE_LINES", "Point", "draw_frontier", "frontier_points", "main"]
 
@@ -36,7 +36,7 @@ RECIPE_LINES: dict[str, tuple[str, ...]] = {
     ),
     "all hybrid, transfer 40 then full fine-tune": ("run-all-hybrid-transfer40-full",),
 }
-"""The recipes drawn, each a line through its rows (`benchmarks.ablations.FRONTIER_ROWS`)."""
+"""The recipes drawn, each a line through its rows (`experiments.ablations.FRONTIER_ROWS`)."""
 COLOURS = ((90, 90, 90), (31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189))
 
 

@@ -1,6 +1,6 @@
 """Key bias of the toy teacher's attention: r = |mean k| / mean |k| per module, trained vs random init.
 
-    python -m benchmarks.key_bias
+    python -m experiments.key_bias
 
 The paper motivates its key normalisation with this ratio (about 0.5 in pretrained ViTs, 0.07 at
 random initialisation): keys that share a large common direction are harmless in softmax, where the
@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.timing import header_line, write_json
+from experiments import RESULTS_DIR
 from sd3_testbed.data import make_batch
 from sd3_testbed.model import build_toy_model, load_toy_base
 from trainer.losses import add_noise, predict_velocity
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     print(table)
     meta = {"samples": args.samples, "sigmas": list(SIGMAS), "pure_noise_sigmas": list(PURE_NOISE), "table": table}
-    write_json(args.json, rows, meta=meta)
+    write_json(args.json, rows, meta=meta, directory=RESULTS_DIR)
     return 0
 
 

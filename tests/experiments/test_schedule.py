@@ -1,7 +1,7 @@
-"""`benchmarks/schedule.py` end to end on a handful of samples: a toy delta file from a short trainer run,
+"""`experiments/schedule.py` end to end on a handful of samples: a toy delta file from a short trainer run,
 T5 on every step, and softmax on every step with the file's weight changes kept (start 100%).
 
-The script runs as a subprocess: tests do not import `benchmarks/`.
+The script runs as a subprocess: tests do not import `experiments/`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def test_rows_match_t5_and_softmax_with_the_files_weights_at_the_ends(tmp_path):
     flags += ["--training.steps", "1", "--training.batch_size", "2", "--output.toy_eval_samples", "0"]
     flags += ["--output.progress", "false", "--checkpoint.every", "0", "--output.dir", str(tmp_path / "run")]
     t5_file = train(parse_args(flags)).weights
-    command = [sys.executable, "-m", "benchmarks.schedule", "--t5-file", str(t5_file), "--samples", str(SAMPLES)]
+    command = [sys.executable, "-m", "experiments.schedule", "--t5-file", str(t5_file), "--samples", str(SAMPLES)]
     command += ["--starts", "0", "1", "--rounds", "2", "--timed-batch", "1", "--results-dir", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "T5_BACKEND": "torch"})
     assert done.returncode == 0, done.stderr

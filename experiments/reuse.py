@@ -1,13 +1,13 @@
 """Reuse of a T5 delta file on a fine-tune of its base, on the toy: does a file trained on the teacher still
 work on a fine-tune of the teacher, as a file trained on SD3.5 should on a community fine-tune?
 
-    python -m benchmarks.reuse --t5-file runs/reuse-t5/t5.safetensors                # 180 samples, seed 0
-    python -m benchmarks.reuse --t5-file runs/reuse-t5/t5.safetensors --seeds 0 1    # 360 samples
+    python -m experiments.reuse --t5-file runs/reuse-t5/t5.safetensors                # 180 samples, seed 0
+    python -m experiments.reuse --t5-file runs/reuse-t5/t5.safetensors --seeds 0 1    # 360 samples
 
 The fine-tune is the shipped teacher trained further, every weight with softmax attention, on the
 `rotated` palette (each colour word renders as the next word's colour) by the teacher's own pretraining
 code (`sd3_testbed.pretrain`, recipe `FINETUNE`). It is made once and cached under
-`benchmarks/results/.cache/`, named by a digest of the teacher file and the recipe. The rows:
+`experiments/results/.cache/`, named by a digest of the teacher file and the recipe. The rows:
 
 * the teacher with softmax, and the teacher + the delta file, on the teacher's palette: the file on the
   base it was trained on;
@@ -38,8 +38,9 @@ from typing import Literal
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from benchmarks.timing import RESULTS_DIR, header_line, write_json
-from benchmarks.toy_cache import CACHE, file_digest, toy_model, toy_samples
+from benchmarks.timing import header_line, write_json
+from experiments import RESULTS_DIR
+from experiments.toy_cache import CACHE, file_digest, toy_model, toy_samples
 from sd3_testbed.data import PALETTES
 from sd3_testbed.eval import ATTRIBUTES, eval_set, sample_hits, score_hits, validation_loss
 from sd3_testbed.model import WEIGHTS_FILE
@@ -118,7 +119,7 @@ def _palette(row: Row) -> str:
 
 def evaluate(row: Row, base_file: Path, t5_file: Path | None, *, samples: int, seeds: list[int], cache: Path) -> dict:
     """ToyEval of the base `base_file` with softmax or `t5_file` on `samples` captions and noise per seed
-    (`benchmarks.toy_cache.toy_samples`), its per-sample hits, the colour read in the teacher's palette
+    (`experiments.toy_cache.toy_samples`), its per-sample hits, the colour read in the teacher's palette
     and the validation loss."""
     palette = PALETTES[_palette(row)]
     start = time.perf_counter()

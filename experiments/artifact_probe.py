@@ -1,9 +1,9 @@
 """Where a T5 toy model's artifacts come from: its samples' levels against the teacher's, and how much
 of each converted module's output error against softmax is the same at every image token.
 
-    python -m benchmarks.artifact_probe runs/toy/t5.safetensors          # 48 samples
-    python -m benchmarks.artifact_probe FILE --count 180 --json artifact_probe_all_hybrid
-    python -m benchmarks.artifact_probe FILE --cfg 1 --json artifact_probe_cfg1   # guidance off
+    python -m experiments.artifact_probe runs/toy/t5.safetensors          # 48 samples
+    python -m experiments.artifact_probe FILE --count 180 --json artifact_probe_all_hybrid
+    python -m experiments.artifact_probe FILE --cfg 1 --json artifact_probe_cfg1   # guidance off
 
 Samples: the evaluation set's first `--count` captions and noise for the teacher and for the shipped
 teacher converted with FILE (`t5core.hosts.diffusers.linearize`, torch backend); the background
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from benchmarks.timing import header_line, write_json
+from experiments import RESULTS_DIR
 from sd3_testbed.artifacts import background_error, background_level, open_background_level, token_period_energy
 from sd3_testbed.eval import toy_eval
 from sd3_testbed.model import load_toy_base
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("weights", help="a T5 weights file for the toy (python trainer/run.py writes one)")
     parser.add_argument("--count", type=int, default=48, help="evaluation samples")
     parser.add_argument("--cfg", type=float, default=3.0, help="guidance scale of both models (1 = off)")
-    parser.add_argument("--json", default="artifact_probe", help="name of the JSON file under benchmarks/results/")
+    parser.add_argument("--json", default="artifact_probe", help="name of the JSON file under experiments/results/")
     args = parser.parse_args(argv)
 
     with torch.no_grad():
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     print(table)
     meta = {"weights": str(args.weights), "count": args.count, "cfg": args.cfg, **samples, "table": table}
-    write_json(args.json, modules, meta=meta)
+    write_json(args.json, modules, meta=meta, directory=RESULTS_DIR)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""What toy benchmarks keep between runs under `benchmarks/results/.cache/` (not committed), keyed by a
+"""What toy experiments keep between runs under `experiments/results/.cache/` (not committed), keyed by a
 digest of what made it: the ToyEval samples of a toy checkpoint, with softmax attention (the reference
 every toy row is compared with) or with a T5 weights file applied, and the `file_digest` other cached
 files are named by.
@@ -23,7 +23,7 @@ __all__ = ["CACHE", "file_digest", "toy_model", "toy_samples"]
 logger = logging.getLogger(__name__)
 
 CACHE = ".cache"
-"""The cache folder's name under a benchmark's results folder."""
+"""The cache folder's name under an experiment's results folder."""
 
 
 def file_digest(path: Path) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from benchmarks.frontier_plot import COLOURS, RECIPE_LINES, draw_frontier, frontier_points
+from experiments.frontier_plot import COLOURS, RECIPE_LINES, draw_frontier, frontier_points
 
 
 def _row(name: str, seed: int, seconds: float, toyeval: float, val_loss: float) -> dict:

@@ -1,7 +1,7 @@
-"""`benchmarks/ablations.py`: an interrupted sweep resumes from its results file, and only when the
+"""`experiments/ablations.py`: an interrupted sweep resumes from its results file, and only when the
 budget and the evaluation are the same; the teacher row is the cached reference every row is compared with.
 
-Run as subprocesses: tests do not import `benchmarks/`. The row is `t5-zero-ft` (converted, not
+Run as subprocesses: tests do not import `experiments/`. The row is `t5-zero-ft` (converted, not
 fine-tuned), so each run is an evaluation of two samples; `--steps` still changes the budget.
 """
 
@@ -19,7 +19,7 @@ ROW = "t5-zero-ft"
 
 def _sweep(results: Path, *flags: str, row: str = ROW) -> str:
     """Run the sweep on one row and seed 0 into `results`/sweep.json; returns its stdout."""
-    command = [sys.executable, "-m", "benchmarks.ablations", "--rows", row, "--seeds", "0", "--wide-count", "0"]
+    command = [sys.executable, "-m", "experiments.ablations", "--rows", row, "--seeds", "0", "--wide-count", "0"]
     command += ["--results-dir", str(results), "--json", "sweep", *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -55,7 +55,7 @@ def test_the_teacher_row_is_the_cached_reference(tmp_path):
 
 _TRAINER_ROW = """
 import math
-from benchmarks.ablations import FRONTIER_ROWS, Row, train_with_trainer
+from experiments.ablations import FRONTIER_ROWS, Row, train_with_trainer
 assert all(row.trainer_flags is not None for row in FRONTIER_ROWS)
 flags = ("--model.layers", "all", "--model.joint_mode", "hybrid", "--transfer.steps", "1", "--model.rank", "2",
          "--training.steps", "1", "--training.batch_size", "2")

@@ -1,7 +1,7 @@
 """Ablations of T5 on the built-in toy: one recipe and budget for every row, three seeds, ToyEval and val loss.
 
-    python -m benchmarks.ablations                          # every row, seeds 0 1 2 (about 100 min on 2 cores)
-    python -m benchmarks.ablations --rows t5 no-keynorm --seeds 0 --steps 20 --eval-count 12
+    python -m experiments.ablations                          # every row, seeds 0 1 2 (about 100 min on 2 cores)
+    python -m experiments.ablations --rows t5 no-keynorm --seeds 0 --steps 20 --eval-count 12
 
 Each row starts from the shipped softmax teacher (`sd3_testbed/weights`), converts it with the
 trainer's `trainer.model.build_student` (or keeps softmax, or swaps in plain linear attention), then
@@ -36,8 +36,9 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from benchmarks.timing import RESULTS_DIR, header_line, write_json
-from benchmarks.toy_cache import CACHE, toy_samples
+from benchmarks.timing import header_line, write_json
+from experiments import RESULTS_DIR
+from experiments.toy_cache import CACHE, toy_samples
 from sd3_testbed.artifacts import background_error, background_level, open_background_level, token_period_energy
 from sd3_testbed.baselines import PlainLinearAttention, reinit_inherited
 from sd3_testbed.data import IMAGE_SIZE, make_batch
@@ -359,7 +360,7 @@ def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_raw: tor
 
 def teacher_eval(count: int, cache: Path) -> tuple[ToyEvalScore, Tensor]:
     """The shipped teacher's ToyEval on `count` samples and its samples before the decoder's clamp, from
-    the `cache` folder when this teacher file was evaluated before (`benchmarks.toy_cache`)."""
+    the `cache` folder when this teacher file was evaluated before (`experiments.toy_cache`)."""
     raw = toy_samples(WEIGHTS_FILE, count, cache)
     return score_images(raw.clamp(0.0, 1.0), eval_set(count)[0]), raw
 

@@ -1,7 +1,7 @@
-"""`benchmarks/reuse.py` end to end on a handful of samples: a toy delta file from a short trainer run, a
+"""`experiments/reuse.py` end to end on a handful of samples: a toy delta file from a short trainer run, a
 one-step fine-tune of the teacher, every row of the comparison, and the absolute-value file it builds.
 
-The script runs as a subprocess: tests do not import `benchmarks/`.
+The script runs as a subprocess: tests do not import `experiments/`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def reuse(tmp_path_factory):
     flags += ["--training.steps", "1", "--training.batch_size", "2", "--output.toy_eval_samples", "0"]
     flags += ["--output.progress", "false", "--checkpoint.every", "0", "--output.dir", str(folder / "run")]
     t5_file = train(parse_args(flags)).weights
-    command = [sys.executable, "-m", "benchmarks.reuse", "--t5-file", str(t5_file), "--samples", str(SAMPLES)]
+    command = [sys.executable, "-m", "experiments.reuse", "--t5-file", str(t5_file), "--samples", str(SAMPLES)]
     command += ["--seeds", "0", "1", "--finetune-steps", "1", "--results-dir", str(folder)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -1,7 +1,7 @@
 """Softmax for the first part of sampling, then T5: what the node's `start_percent` costs and gives, on the toy.
 
-    python -m benchmarks.schedule --t5-file runs/toy/t5.safetensors              # 180 samples, seed 0
-    python -m benchmarks.schedule --t5-file runs/toy/t5.safetensors --seeds 0 1  # 360 samples
+    python -m experiments.schedule --t5-file runs/toy/t5.safetensors              # 180 samples, seed 0
+    python -m experiments.schedule --t5-file runs/toy/t5.safetensors --seeds 0 1  # 360 samples
 
 Each row samples the ToyEval captions and noise (`eval_set(samples, seed=s)`, 20 Euler steps, CFG 3) with
 the teacher and the T5 file applied (`t5core.hosts.diffusers.linearize`), its converted modules running
@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from benchmarks.timing import RESULTS_DIR, SPEEDUP_VS_SOFTMAX, header_line, speedup, spread, time_in_turn, write_json
+from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, spread, time_in_turn, write_json
+from experiments import RESULTS_DIR
 from sd3_testbed.eval import ATTRIBUTES, eval_set, generate, sample_hits, score_hits, teacher_distance
 from sd3_testbed.model import TOY_SHIFT, load_toy_base
 from sd3_testbed.stats import paired_difference
