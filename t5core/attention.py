@@ -19,12 +19,13 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from t5core.backend import attend
+from t5core.backend import attend, resolve_backend
 from t5core.config import T5Config
 from t5core.contract import T5Layout, Variant, check_call, fast_weight_names
 from t5core.hybrid import MERGES, Merge, hybrid_attention
 from t5core.neighborhood import NEIGHBORHOOD_BLEND, check_neighborhood, neighborhood_attention
 from t5core.ttt import split_image
+from t5core.ttt_chunked import chunked_hybrid_attention
 
 __all__ = ["FastWeights", "T5Attention", "file_name", "param_name"]
 
@@ -220,7 +221,19 @@ class T5Attention(nn.Module):
 
         if not self.exact_text:
             return t5_attention(q, k, v, layout)
+        if layout.text_tokens and self._merges_in_chunks(q, k, v):
+            return chunked_hybrid_attention(q, k, v, params, layout, merge_bias=self.merge_bias)
         return hybrid_attention(q, k, v, layout, t5_attention, merge_bias=self.merge_bias)
+
+    def _merges_in_chunks(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
+        """Whether a hybrid call runs as one chunked pass (`t5core.ttt_chunked.chunked_hybrid_attention`):
+        the torch path with nothing to differentiate and no neighbourhood blend. Otherwise its image
+        part is a T5 call of its own (autograd, the kernels, the blend) and the merge follows it."""
+        if self.neighborhood:
+            return False
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *self.parameters())):
+            return False
+        return resolve_backend(self.backend, q, variant=self.variant) == "torch"
 
     def _blend_neighborhood(self, out: Tensor, q: Tensor, k: Tensor, v: Tensor, layout: T5Layout) -> Tensor:
         """`out` with its image rows replaced, in place, by (1 - b) out + b neighbourhood softmax (b = 0.5);

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,17 @@ from torch import Tensor
 from t5core.contract import T5Layout
 from t5core.ttt import split_image
 
-__all__ = ["JointMode", "JOINT_MODES", "MERGES", "Merge", "hybrid_attention", "image_log_partition"]
+__all__ = [
+    "JointMode",
+    "JOINT_MODES",
+    "MERGES",
+    "Merge",
+    "ImageRowMerge",
+    "TextPart",
+    "hybrid_attention",
+    "image_log_partition",
+    "text_rows",
+]
 
 JointMode = Literal["ttt", "hybrid"]
 JOINT_MODES: tuple[str, ...] = ("ttt", "hybrid")
@@ -52,6 +62,19 @@ ImageAttention = Callable[[Tensor, Tensor, Tensor, T5Layout], Tensor]
 """T5 attention over image tokens only: `(q, k, v, layout)` with `(B, M, H, D)` tensors."""
 
 
+def _log_count(m: int) -> Tensor:
+    """log m as a 0-dim float64 CPU tensor (a scalar to any device, as a Python float is), not `math.log`,
+    which makes torch.compile specialise the graph to the token count."""
+    return torch.full((), m, dtype=torch.float64).log()
+
+
+def _estimate(q_BHND: Tensor, mean: Tensor, half_cov: Tensor) -> Tensor:
+    """scale q.mu + q^T half_cov q per query `(B, H, n)`, with `mean` `(B, H, 1, D)` and `half_cov`
+    `(B, H, D, D)` = (scale^2 / 2) S."""
+    scale = q_BHND.shape[-1] ** -0.5
+    return (q_BHND @ mean.transpose(-1, -2)).squeeze(-1) * scale + ((q_BHND @ half_cov) * q_BHND).sum(-1)
+
+
 def image_log_partition(q_BHND: Tensor, k_BHND: Tensor, *, rows: int = IMAGE_QUERY_ROWS) -> Tensor:
     """Second-order cumulant estimate of log sum_j exp(scale q.k_j) over the keys, per query.
 
@@ -64,44 +87,99 @@ def image_log_partition(q_BHND: Tensor, k_BHND: Tensor, *, rows: int = IMAGE_QUE
         `(B, H, N)` fp32: log M + scale q.mu + (scale^2 / 2) q^T S q, with mu and S (biased) the
         keys' mean and covariance.
     """
-    m, dim = k_BHND.shape[-2:]
-    scale = dim**-0.5
+    m = k_BHND.shape[-2]
     mean = k_BHND.mean(dim=-2, keepdim=True)
     centred = k_BHND - mean
-    # (scale^2 / 2) S folded into one (D, D) matrix per sample and head
-    half_cov = centred.transpose(-1, -2) @ centred * (0.5 * scale * scale / m)
-    slabs = []
-    for q_rows in q_BHND.split(rows, dim=-2):
-        first = (q_rows @ mean.transpose(-1, -2)).squeeze(-1) * scale
-        slabs.append(first + ((q_rows @ half_cov) * q_rows).sum(-1))
-    # log M as a 0-dim float64 CPU tensor (a scalar to any device, as a Python float is), not `math.log`,
-    # which makes torch.compile specialise the graph to the token count
-    return torch.full((), m, dtype=torch.float64).log() + torch.cat(slabs, dim=-1)
+    half_cov = half_covariance(centred.transpose(-1, -2) @ centred, m)
+    slabs = [_estimate(q_rows, mean, half_cov) for q_rows in q_BHND.split(rows, dim=-2)]
+    return _log_count(m) + torch.cat(slabs, dim=-1)
 
 
-def _image_rows(q_BHND: Tensor, k_text: Tensor, v_text: Tensor, log_z_image: Tensor, o_image: Tensor) -> Tensor:
+def half_covariance(centred_products: Tensor, m: int) -> Tensor:
+    """(scale^2 / 2) S from the keys' summed centred outer products `(..., D, D)` over `m` keys: the
+    estimate's quadratic term folded into one matrix per sample and head."""
+    scale = centred_products.shape[-1] ** -0.5
+    return centred_products * (0.5 * scale * scale / m)
+
+
+def _augmented_text(k_text: Tensor, v_text: Tensor) -> tuple[Tensor, Tensor]:
+    """Text keys and values `(B, H, T, D)` plus one extra key standing for the image part (`_image_rows`):
+    `(B, H, T + 1, W)`, W = D + 1 on a CPU, else D + 1 padded to a multiple of 8 (CUDA's fused
+    kernels want that head dim)."""
+    *batch, t, dim = k_text.shape
+    width = dim + 1 if k_text.device.type == "cpu" else -(-(dim + 1) // 8) * 8
+    k_aug = k_text.new_zeros(*batch, t + 1, width)
+    k_aug[..., :-1, :dim] = k_text
+    k_aug[..., -1, dim] = 1.0
+    v_aug = torch.zeros_like(k_aug)
+    v_aug[..., :-1, :dim] = v_text
+    v_aug[..., -1, dim] = 1.0
+    return k_aug, v_aug
+
+
+def _image_rows(q_BHND: Tensor, text: tuple[Tensor, Tensor], log_z_image: Tensor, o_image: Tensor) -> Tensor:
     """Image queries' output `alpha o_t + (1 - alpha) o_i` from one softmax over the text keys plus
-    one extra key standing for the image part.
+    one extra key standing for the image part (`text`, from `_augmented_text`).
 
     The extra key's score is log Z_i (a query channel holding log Z_i / scale against a key channel
     holding 1) and its value is an indicator channel, so one fused attention call returns
     `alpha o_t` in the value channels and `1 - alpha` in the indicator: no (queries, text) score
     matrix is kept, and the partition sums never leave log space.
     """
-    *batch, _, dim = q_BHND.shape
+    k_aug, v_aug = text
+    dim = q_BHND.shape[-1]
     scale = dim**-0.5
-    # CUDA's fused kernels want a head dim that is a multiple of 8: pad the extra channel up to it
-    width = dim + 1 if q_BHND.device.type == "cpu" else -(-(dim + 1) // 8) * 8
-    extra = width - dim
+    extra = k_aug.shape[-1] - dim
     q_aug = torch.cat((q_BHND, F.pad((log_z_image / scale).unsqueeze(-1), (0, extra - 1))), dim=-1)
-    k_aug = q_BHND.new_zeros(*batch, k_text.shape[-2] + 1, width)
-    k_aug[..., :-1, :dim] = k_text
-    k_aug[..., -1, dim] = 1.0
-    v_aug = torch.zeros_like(k_aug)
-    v_aug[..., :-1, :dim] = v_text
-    v_aug[..., -1, dim] = 1.0
     out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, scale=scale)
     return out[..., :dim] + out[..., dim : dim + 1] * o_image
+
+
+class TextPart(NamedTuple):
+    """A hybrid call's text keys and values `(B, T, H, D)` (host layout, any float dtype) and its
+    learned merge bias `(H,)` or None: what the image rows need to be merged chunk by chunk
+    (`t5core.ttt_chunked.chunked_hybrid_attention`)."""
+
+    keys: Tensor
+    values: Tensor
+    merge_bias: Tensor | None = None
+
+    def heads(self, heads: slice) -> TextPart:
+        """The part for a group of heads."""
+        bias = None if self.merge_bias is None else self.merge_bias[heads]
+        return TextPart(self.keys[:, :, heads], self.values[:, :, heads], bias)
+
+    def merger(self, mean: Tensor, centred_products: Tensor, m: int) -> ImageRowMerge:
+        """The merge for image queries, given the image keys' mean `(B, H, 1, D)` and summed centred
+        outer products `(B, H, D, D)` over all `m` image keys (fp32)."""
+        offset = _log_count(m)
+        if self.merge_bias is not None:
+            offset = offset + self.merge_bias.float().view(1, -1, 1)
+        text = _augmented_text(*(x.float().transpose(1, 2) for x in (self.keys, self.values)))
+        return ImageRowMerge(text, mean, half_covariance(centred_products, m), offset)
+
+
+class ImageRowMerge(NamedTuple):
+    """`alpha o_t + (1 - alpha) o_i` for any chunk of image queries: the augmented text keys and values,
+    the image keys' mean `(B, H, 1, D)`, (scale^2 / 2) S `(B, H, D, D)` and log M (+ the merge bias)."""
+
+    text: tuple[Tensor, Tensor]
+    mean: Tensor
+    half_cov: Tensor
+    offset: Tensor
+    """log M (0-dim), or log M + the merge bias `(1, H, 1)`."""
+
+    def __call__(self, q_BHND: Tensor, o_image: Tensor) -> Tensor:
+        """The image rows for fp32 queries `q_BHND` `(B, H, n, D)` whose T5 output is `o_image`."""
+        log_z_image = self.offset + _estimate(q_BHND, self.mean, self.half_cov)
+        return _image_rows(q_BHND, self.text, log_z_image, o_image)
+
+
+def text_rows(q_text: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Text queries' softmax attention over every key, fp32 `(B, H, T, D)`, from host-layout
+    `(B, T, H, D)` queries and `(B, N, H, D)` keys and values as they are (no copy for fp32 inputs)."""
+    q_t, k_all, v_all = (x.float().transpose(1, 2) for x in (q_text, k, v))
+    return F.scaled_dot_product_attention(q_t, k_all, v_all)
 
 
 def hybrid_attention(
@@ -132,12 +210,11 @@ def hybrid_attention(
     image_layout = replace(layout, tokens=layout.n_image, text_tokens=0)
     o_ttt = image_attention(q_img.contiguous(), k_img.contiguous(), v_img.contiguous(), image_layout)
     with torch.autocast(device_type=q.device.type, enabled=False):
-        q_i, q_t, k_i, k_t, v_t = (x.float().transpose(1, 2) for x in (q_img, q_txt, k_img, k_txt, v_txt))
-        k_all, v_all = (x.float().transpose(1, 2) for x in (k, v))
-        text_rows = F.scaled_dot_product_attention(q_t, k_all, v_all)
+        q_i, k_i, k_t, v_t = (x.float().transpose(1, 2) for x in (q_img, k_img, k_txt, v_txt))
+        over_all = text_rows(q_txt, k, v)
         log_z_image = image_log_partition(q_i, k_i)
         if merge_bias is not None:
             log_z_image = log_z_image + merge_bias.float().view(1, -1, 1)
-        image_rows = _image_rows(q_i, k_t, v_t, log_z_image, o_ttt.float().transpose(1, 2))
-        out_BHND = torch.cat((text_rows, image_rows) if first else (image_rows, text_rows), dim=2)
+        image_rows = _image_rows(q_i, _augmented_text(k_t, v_t), log_z_image, o_ttt.float().transpose(1, 2))
+        out_BHND = torch.cat((over_all, image_rows) if first else (image_rows, over_all), dim=2)
     return out_BHND.transpose(1, 2).to(q.dtype)

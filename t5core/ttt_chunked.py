@@ -15,6 +15,11 @@ Forward, with scale = D^-0.5 and c = scale / N:
    the whole call) to fp32 (B, H, D, D) sums; W' = W - sums;
 3. apply: each chunk's queries (+ conv) give o = f_W'(q), written into the output.
 
+Hybrid calls when sampling (`chunked_hybrid_attention`, the math in `t5core.hybrid`): the forward
+above over the image tokens, where step 1 keeps each chunk's full (D, D) centred key products (the
+image log-partition's covariance; the key norm's variance is their diagonal) and step 3 merges each
+chunk's output with its exact attention over the text before writing it.
+
 Backward (`_ChunkedT5Function` saves the inputs, parameters, key statistics and W', and recomputes
 per chunk). With U = dLoss/dW':
 
@@ -58,10 +63,11 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from t5core.contract import Conv, T5Layout, T5Params, check_call
+from t5core.hybrid import TextPart, text_rows
 from t5core.token_chunks import Chunk, Prepare, TokenChunks
-from t5core.ttt import inner_apply, inner_grads, silu_and_grad_
+from t5core.ttt import inner_apply, inner_grads, silu_and_grad_, split_image
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "chunked_attention", "t5_attention_chunked"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "chunked_attention", "chunked_hybrid_attention", "t5_attention_chunked"]
 
 DEFAULT_CHUNK_TOKENS = 2048
 HEAD_GROUP_BYTES = 4 << 20
@@ -90,13 +96,15 @@ def _accumulate(totals: list[Tensor], shares: tuple[Tensor, ...]) -> None:
         total += share
 
 
-def _key_stats(k: Tensor, chunks: list[Chunk], eps: float) -> tuple[Tensor, Tensor]:
-    """Per sample and channel mean and 1 / sqrt(biased variance + eps) over all tokens, `(B, 1, H, D)`.
+def _key_moments(k: Tensor, chunks: list[Chunk], *, full: bool) -> tuple[Tensor, Tensor]:
+    """Per sample and channel mean `(B, 1, H, D)` over all tokens, and the summed squared deviations:
+    per channel `(B, 1, H, D)`, or with `full` the summed centred outer products per head `(B, H, D, D)`
+    (whose diagonal they are).
 
-    Each chunk's mean and sum of squared deviations (two passes over the chunk) are merged with Chan's
-    pairwise update, which keeps the variance exact where a sum of squares would cancel. The first
-    chunk's statistics start the merge (no zero-filled accumulators), so a single chunk is these two
-    passes alone (`torch.var_mean` over dim 1 of this layout is much slower on a CPU).
+    Each chunk's mean and deviations (two passes over the chunk) are merged with Chan's pairwise
+    update, which keeps the (co)variance exact where a sum of squares would cancel. The first chunk's
+    moments start the merge (no zero-filled accumulators), so a single chunk is these two passes alone
+    (`torch.var_mean` over dim 1 of this layout is much slower on a CPU).
     """
     mean = m2 = None
     count = 0
@@ -104,14 +112,30 @@ def _key_stats(k: Tensor, chunks: list[Chunk], eps: float) -> tuple[Tensor, Tens
         x = k[:, chunk.tokens].float()
         n_c = chunk.stop - chunk.start
         mean_c = x.sum(1, keepdim=True) / n_c
-        m2_c = (x - mean_c).square_().sum(1, keepdim=True)
+        if full:
+            centred = (x - mean_c).transpose(1, 2)
+            m2_c = centred.transpose(-1, -2) @ centred
+        else:
+            m2_c = (x - mean_c).square_().sum(1, keepdim=True)
         if mean is None:
             mean, m2 = mean_c, m2_c
         else:
             delta = mean_c - mean
-            m2 += m2_c + delta.square() * (count * n_c / (count + n_c))
+            if full:
+                delta_BH1D = delta.transpose(1, 2)
+                spread = delta_BH1D.transpose(-1, -2) @ delta_BH1D
+            else:
+                spread = delta.square()
+            m2 += m2_c + spread * (count * n_c / (count + n_c))
             mean += delta * (n_c / (count + n_c))
         count += n_c
+    return mean, m2
+
+
+def _norm_stats(mean: Tensor, m2: Tensor, count: int, eps: float) -> tuple[Tensor, Tensor]:
+    """The key norm's mean and 1 / sqrt(biased variance + eps), `(B, 1, H, D)`, from `_key_moments`."""
+    if m2.shape != mean.shape:
+        m2 = m2.diagonal(dim1=-2, dim2=-1).unsqueeze(1)
     return mean, torch.rsqrt(m2 / count + eps)
 
 
@@ -200,11 +224,25 @@ def _zero_grads(conv: Conv | None) -> list[Tensor]:
 
 
 def _forward(
-    layout: T5Layout, plan: TokenChunks, q: Tensor, k: Tensor, v: Tensor, params: T5Params
+    layout: T5Layout,
+    plan: TokenChunks,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    params: T5Params,
+    *,
+    out: Tensor | None = None,
+    text: TextPart | None = None,
 ) -> tuple[Tensor, tuple[Tensor, Tensor] | None, tuple[Tensor, ...]]:
-    """Output, key statistics (None without the key norm) and W' (`params.weights` in fp32)."""
+    """Output (written into `out` when given), key statistics (None without the key norm) and W'
+    (`params.weights` in fp32). With `text`, `q, k, v` are a hybrid call's image tokens and each
+    chunk's T5 output is merged with exact attention over the text as it is computed (`t5core.hybrid`)."""
     weights, q_conv, k_conv = params
-    stats = None if layout.key_norm_eps is None else _key_stats(k, plan.chunks, layout.key_norm_eps)
+    moments = None
+    if layout.key_norm_eps is not None or text is not None:
+        moments = _key_moments(k, plan.chunks, full=text is not None)
+    stats = None if layout.key_norm_eps is None else _norm_stats(*moments, layout.tokens, layout.key_norm_eps)
+    merge = None if text is None else text.merger(moments[0].transpose(1, 2), moments[1], layout.tokens)
     keys = _key_prepare(stats)
     c = layout.head_dim**-0.5 / layout.tokens
     sums = None
@@ -217,10 +255,13 @@ def _forward(
         else:
             _accumulate(sums, shares)
     fast = tuple(w - g for w, g in zip(weights, sums, strict=True))
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for chunk in plan.chunks:
-        q_BHND = plan.local(q, chunk, q_conv, _to_float)
-        out[:, chunk.tokens] = inner_apply(q_BHND, fast, layout.variant).transpose(1, 2)
+        o_BHND = inner_apply(plan.local(q, chunk, q_conv, _to_float), fast, layout.variant)
+        if merge is not None:
+            o_BHND = merge(_heads_first(q[:, chunk.tokens]), o_BHND)
+        out[:, chunk.tokens] = o_BHND.transpose(1, 2)
     return out, stats, fast
 
 
@@ -276,12 +317,22 @@ def _head_slice(conv: Conv | None, heads: slice, head_dim: int) -> Conv | None:
     return tuple(None if p is None else p[channels] for p in conv)
 
 
-def _forward_by_heads(layout: T5Layout, plan: TokenChunks, q: Tensor, k: Tensor, v: Tensor, params: T5Params) -> Tensor:
+def _forward_by_heads(
+    layout: T5Layout,
+    plan: TokenChunks,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    params: T5Params,
+    *,
+    out: Tensor | None = None,
+    text: TextPart | None = None,
+) -> Tensor:
     """`_forward`'s output with nothing to differentiate (sampling), in groups of heads whose chunk
     temporaries fit `HEAD_GROUP_BYTES`, with no autograd node and no saved tensors.
 
     Every step is per sample and head (the key statistics per channel, the convs depthwise, the inner
-    model per head), so a group of heads is the same math on fewer heads.
+    model per head, the text merge per head), so a group of heads is the same math on fewer heads.
     """
     n_max = max(chunk.stop - chunk.start for chunk in plan.chunks)
     per_head = layout.batch * n_max * layout.head_dim * 4
@@ -289,8 +340,10 @@ def _forward_by_heads(layout: T5Layout, plan: TokenChunks, q: Tensor, k: Tensor,
     group = max(1, min(layout.heads, HEAD_GROUP_BYTES // per_head)) if q.device.type == "cpu" else layout.heads
     weights = tuple(w.float() for w in params.weights)
     if group == layout.heads:
-        return _forward(layout, plan, q, k, v, T5Params(weights, params.q_conv, params.k_conv))[0]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        params = T5Params(weights, params.q_conv, params.k_conv)
+        return _forward(layout, plan, q, k, v, params, out=out, text=text)[0]
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for h0 in range(0, layout.heads, group):
         heads = slice(h0, min(h0 + group, layout.heads))
         part = T5Params(
@@ -299,7 +352,16 @@ def _forward_by_heads(layout: T5Layout, plan: TokenChunks, q: Tensor, k: Tensor,
             _head_slice(params.k_conv, heads, layout.head_dim),
         )
         part_layout = dataclasses.replace(layout, heads=heads.stop - heads.start)
-        out[:, :, heads] = _forward(part_layout, plan, q[:, :, heads], k[:, :, heads], v[:, :, heads], part)[0]
+        _forward(
+            part_layout,
+            plan,
+            q[:, :, heads],
+            k[:, :, heads],
+            v[:, :, heads],
+            part,
+            out=out[:, :, heads],
+            text=None if text is None else text.heads(heads),
+        )
     return out
 
 
@@ -397,3 +459,44 @@ def t5_attention_chunked(
             `chunk_tokens` is not a positive int.
     """
     return chunked_attention(q, k, v, *check_call(q, k, v, **arguments), chunk_tokens=chunk_tokens)
+
+
+def chunked_hybrid_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    params: T5Params,
+    layout: T5Layout,
+    *,
+    merge_bias: Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> Tensor:
+    """Hybrid joint attention (`t5core.hybrid.hybrid_attention` with the torch path for its image part)
+    in one pass over the image tokens, with nothing to differentiate (sampling).
+
+    The text queries attend over every key in one softmax call, with the keys as they are. The image
+    keys' mean and covariance come from the key norm's own pass, and each chunk of image queries is
+    merged with its exact attention over the text while its T5 output is in hand: no image-sized
+    copy, score matrix or second pass over the image tokens.
+
+    Args:
+        q, k, v (`Tensor`): `(B, N, H, D)`, a call `t5core.contract.check_call` has checked, with text.
+        params, layout: the call as `check_call` returned it (`layout.text_tokens` > 0).
+        merge_bias (`Tensor`, *optional*): `(H,)` learned correction of the image log-partition.
+        chunk_tokens (`int`, *optional*, defaults to `DEFAULT_CHUNK_TOKENS`): as for `chunked_attention`.
+
+    Returns:
+        `(B, N, H, D)` in the dtype of `q`.
+    """
+    text, first = layout.text_tokens, layout.text_first
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    (q_img, q_txt), (k_img, k_txt), (v_img, v_txt) = (split_image(x, text, first) for x in (q, k, v))
+    out_img, out_txt = split_image(out, text, first)
+    image_layout = dataclasses.replace(layout, tokens=layout.n_image, text_tokens=0)
+    plan = TokenChunks(layout.n_image, chunk_tokens, grid=layout.grid if layout.locality else None)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        out_txt.copy_(text_rows(q_txt, k, v).transpose(1, 2))
+        _forward_by_heads(
+            image_layout, plan, q_img, k_img, v_img, params, out=out_img, text=TextPart(k_txt, v_txt, merge_bias)
+        )
+    return out

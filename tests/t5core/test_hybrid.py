@@ -13,7 +13,10 @@ import math
 import pytest
 import torch
 
+import t5core.attention
+import t5core.ttt_chunked
 from t5core import T5Attention
+from t5core.contract import check_call
 from t5core.hybrid import image_log_partition
 from t5core.ttt import t5_attention_ref
 from testing.tolerances import assert_close
@@ -79,13 +82,53 @@ CASES = [
 
 
 @pytest.mark.parametrize(("batch", "grid", "text", "first", "merge"), CASES)
-def test_matches_the_formula(batch, grid, text, first, merge):
+@pytest.mark.parametrize("one_pass", [False, True], ids=["with-autograd", "one-pass"])
+def test_matches_the_formula(batch, grid, text, first, merge, one_pass, monkeypatch):
+    """With autograd the image part is a T5 call of its own; sampling merges it chunk by chunk."""
     module = _module(merge=merge)
     n = grid[0] * grid[1] + text
     q, k, v = torch.randn(3, batch, n, 2, 8).unbind(0)
-    out = module(q, k, v, grid=grid, text_tokens=text, text_first=first)
+    if one_pass:
+        monkeypatch.setattr(t5core.attention, "hybrid_attention", _must_not_run)
+    with torch.set_grad_enabled(not one_pass):
+        out = module(q, k, v, grid=grid, text_tokens=text, text_first=first)
     ref = _reference(module, q, k, v, grid=grid, text_tokens=text, text_first=first)
     assert_close("hybrid", ref.float(), out, 1e-5)
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("the composed hybrid path ran where the one-pass path should")
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["text-first", "text-last"])
+@pytest.mark.parametrize("key_norm", [True, False], ids=["key-norm", "no-key-norm"])
+def test_one_pass_across_chunks_and_head_groups(first, key_norm, monkeypatch):
+    """Bands of one image row and one head per group: the moments merge across chunks (Chan's update
+    of the covariance) and every chunk and head merges with its own text part."""
+    module = _module(heads=3, merge="learned")
+    if not key_norm:
+        module.key_norm_eps = None
+    grid, text = (5, 4), 6
+    q, k, v = (torch.randn(2, grid[0] * grid[1] + text, 3, 8) + 0.5 for _ in range(3))
+    params, layout = check_call(
+        q,
+        k,
+        v,
+        weights=module.fast_weights(),
+        q_conv=(module.q_conv.weight, module.q_conv.bias),
+        k_conv=(module.k_conv.weight, module.k_conv.bias),
+        grid=grid,
+        text_tokens=text,
+        text_first=first,
+        key_norm_eps=module.key_norm_eps,
+    )
+    monkeypatch.setattr(t5core.ttt_chunked, "HEAD_GROUP_BYTES", 2 * 4 * 4 * 8)
+    with torch.no_grad():
+        chunked = t5core.ttt_chunked.chunked_hybrid_attention(
+            q, k, v, params, layout, merge_bias=module.merge_bias, chunk_tokens=4
+        )
+    composed = module(q, k, v, grid=grid, text_tokens=text, text_first=first)  # with autograd: composed
+    assert_close("one pass", composed.detach(), chunked, 1e-5)
 
 
 def test_text_queries_get_the_original_softmax_attention():
@@ -125,11 +168,13 @@ def test_each_sample_depends_only_on_itself():
         assert_close(f"sample {i}", alone, together[i : i + 1], 1e-6)
 
 
-def test_bf16_in_bf16_out_close_to_fp32():
+@pytest.mark.parametrize("one_pass", [False, True], ids=["with-autograd", "one-pass"])
+def test_bf16_in_bf16_out_close_to_fp32(one_pass):
     module = _module()
     q, k, v = torch.randn(3, 2, 3 * 5 + 4, 2, 8).unbind(0)
-    out = module(*(x.bfloat16() for x in (q, k, v)), grid=(3, 5), text_tokens=4)
-    ref = module(q, k, v, grid=(3, 5), text_tokens=4)
+    with torch.set_grad_enabled(not one_pass):
+        out = module(*(x.bfloat16() for x in (q, k, v)), grid=(3, 5), text_tokens=4)
+        ref = module(q, k, v, grid=(3, 5), text_tokens=4)
     assert out.dtype == torch.bfloat16
     # bf16 inputs carry 8 bits of mantissa; everything after them is fp32
     assert_close("bf16", ref, out.float(), 2e-2)
