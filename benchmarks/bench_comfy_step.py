@@ -79,11 +79,12 @@ from benchmarks.step_harness import (
     path_layers,
 )
 from benchmarks.step_probes import AttentionClock, PeakMemory
-from benchmarks.timing import RESULTS_DIR, SPEEDUP_VS_SOFTMAX, header_line, speedup, write_json
+from benchmarks.timing import RESULTS_DIR, fmt_ms, fmt_x, header_line, markdown_table, publish, speedup
 from t5core.config import BaseArch
 from testing import comfy_env
 from testing.models import sd35_medium_config
 
+TITLE = "SD3.5 Medium, one ComfyUI sampling step, whole model"
 COMPOSITION_GOAL = 0.05
 """Composed and measured steps must agree within 5 % where both are run, for composed times to be trusted."""
 
@@ -135,28 +136,6 @@ def parse_args(depth: int) -> argparse.Namespace:
     return args
 
 
-COLUMNS = (
-    f"{'size':>9} {'path':>12} {'modules':>7} {'step':>8} {'ms':>9} {'p20-p80':>15} {'speedup':>8} "
-    f"{'attention':>9} {'peak MiB':>9}"
-)
-
-
-def _line(row: dict[str, Any]) -> str:
-    head = f"{row['size']:>4}x{row['size']:<4} {row['path']:>12} {row['modules']:>7} {row['step']:>8}"
-    if row["status"] != "ok":
-        return f"{head} {'FAIL':>9}"
-    spread = f"{row['p20_ms']:.0f}-{row['p80_ms']:.0f}" if "p20_ms" in row else "-"
-    text = (
-        f"{head} {row['median_ms']:>9.0f} {spread:>15} {row['speedup_vs_softmax']:>7.2f}x "
-        f"{row['attention_share']:>9.1%} {row['peak_mib']:>9.0f}"
-    )
-    if "composed_vs_measured" in row:
-        within = abs(row["composed_vs_measured"] - 1) <= COMPOSITION_GOAL
-        text += f"  composed / measured {row['composed_vs_measured']:.3f} ({'within' if within else 'NOT within'} 5%)"
-        text += f", per round {' '.join(f'{ratio:.3f}' for ratio in row['composed_vs_measured_rounds'])}"
-    return text
-
-
 def plan(config: dict, blocks: int, specs: list[str]) -> None:
     """Print, per path, how many blocks of each kind a composed step adds up, for the model that
     `build_model(config, blocks, ...)` makes (the run itself reads the kinds from ComfyUI's model)."""
@@ -193,12 +172,6 @@ def main() -> None:
         blocks = model.model.diffusion_model.joint_blocks
         shapes = [BlockShape(b.x_block.x_block_self_attn, b.context_block.pre_only) for b in blocks]
         print(header_line())
-        print(
-            f"model: ComfyUI {comfyui_version.__version__} MMDiT, SD3.5 Medium architecture, {args.blocks} of "
-            f"{config['num_layers']} blocks, random weights, {args.dtype}; one euler step, CFG {CFG} (cond + uncond "
-            f"batched), {TEXT_TOKENS} text tokens; softmax = SDPA; T5 through the T5Linearize node"
-        )
-        print(COLUMNS)
         for size in dict.fromkeys(args.sizes + args.compose):
             timed = [p for p in paths if size in args.sizes]
             whole = {p.name: WholeRun(Step(nodes, p, config, size, clock), memory) for p in timed}
@@ -232,11 +205,11 @@ def main() -> None:
                         row["peak_composed_vs_measured"] = row["peak_mib"] / measured[name]["peak_mib"]
                 _finish(by_path, paths, rows)
             _save(args, config, rows, comfyui=comfyui_version.__version__, calls=calls, memory=memory)
-    print(f"speedup = {SPEEDUP_VS_SOFTMAX}; attention = time inside attention calls / step time")
 
 
 def _save(args, config: dict, rows: list[dict[str, Any]], *, comfyui: str, calls: set, memory: PeakMemory) -> None:
-    """Write the rows so far: after each size's section, so a run stopped hours in keeps what it measured."""
+    """Write and print the rows so far: after each size's section, so a run stopped hours in keeps what it
+    measured."""
     meta = {
         "blocks": args.blocks,
         "depth": config["num_layers"],
@@ -257,7 +230,7 @@ def _save(args, config: dict, rows: list[dict[str, Any]], *, comfyui: str, calls
         "composition_goal": f"composed within {COMPOSITION_GOAL:.0%} of measured",
         "composition_tolerance": COMPOSITION_GOAL,
     }
-    write_json(f"comfy_step_whole_{args.device}{args.suffix}", rows, meta, directory=args.results_dir)
+    publish(f"comfy_step_whole_{args.device}{args.suffix}", rows, meta, table=table, directory=args.results_dir)
 
 
 def _rows(runs: dict, size: int, step: str, calls: set) -> dict[str, dict[str, Any]]:
@@ -281,8 +254,74 @@ def _finish(by_path: dict[str, dict[str, Any]], paths: list[StepPath], rows: lis
             row["attention_share"] = row["attention_ms"] / row["median_ms"]
         elif row["status"] == "ok":
             row["status"] = "softmax FAIL"
-        print(_line(row))
         rows.append(row)
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    """The markdown table: per size and path, the step measured or composed, and the composition check."""
+    meta = result["meta"]
+    model = (
+        "SD3.5 Medium's architecture (24 joint blocks, `attn2` on blocks 0-12)"
+        if meta["blocks"] == meta["depth"]
+        else f"**only the first {meta['blocks']} of SD3.5 Medium's {meta['depth']} joint blocks**"
+    )
+    batch = " or ".join(
+        f"{len(calls)} model call{'s' if len(calls) > 1 else ''} of batch {'/'.join(map(str, calls))}"
+        for calls in meta["model_calls_per_step"]
+    )
+    intro = (
+        f"One ComfyUI {meta['comfyui']} sampling step of {model} with random weights: one euler step, CFG "
+        f"{meta['cfg']:g} (cond and uncond: {batch} per step, as ComfyUI chose), {meta['text_tokens']} text tokens, "
+        f"{meta['dtype']}; softmax is SDPA, T5 runs through the T5Linearize node (`-hybrid`: hybrid joint "
+        "attention, exact softmax wherever text takes part). Step *measured*: the whole step timed (median of "
+        f"{meta['reps']} after {meta['warmup']} warm-up). Step *composed*: the time of everything but the joint "
+        "blocks plus, for every block, the time of one block of its kind, timed inside the same model's step "
+        f"({meta.get('block_reps', 1)} time{'s' if meta.get('block_reps', 1) > 1 else ''} a round); "
+        f"where both ran, composed / measured checks the composition (goal: {meta['composition_goal']}). "
+        "Attention share: time inside attention calls / step time. Peak: "
+        f"{meta['memory_method']}; for a composed row, the peak of the step that times its blocks (every kind "
+        "of block the path has, in turn)."
+    )
+    rows = []
+    for row in result["rows"]:
+        head = [f"{row['size']}x{row['size']}", f"`{row['path']}`", row["modules"], row["step"]]
+        if row["status"] != "ok":
+            rows.append([*head, row["status"], "", "", "", ""])
+            continue
+        check = row.get("composed_vs_measured")
+        rows.append(
+            [
+                *head,
+                fmt_ms(row["median_ms"]),
+                fmt_x(speedup(_row(result, row["size"], "softmax", row["step"])["median_ms"], row["median_ms"])),
+                f"{row['attention_share']:.0%}",
+                f"{row['peak_mib']:.0f}",
+                f"{check:.3f}" if check is not None else "-",
+            ]
+        )
+    header = ["image", "path", "modules converted", "step", "ms", "speedup", "attention share", "peak MiB",
+              "composed / measured"]  # fmt: skip
+    checks = []
+    for size in dict.fromkeys(row["size"] for row in result["rows"]):
+        ratios = [row["composed_vs_measured"] for row in result["rows"] if row["size"] == size and
+                  "composed_vs_measured" in row]  # fmt: skip
+        if ratios:
+            met = all(abs(ratio - 1) <= meta["composition_tolerance"] for ratio in ratios)
+            rounds = [ratio for row in result["rows"] if row["size"] == size
+                      for ratio in row.get("composed_vs_measured_rounds", ())]  # fmt: skip
+            checks.append(
+                f"* composed / measured at {size}x{size}: {min(ratios):.3f}-{max(ratios):.3f} over "
+                f"{len(ratios)} paths ({'goal met' if met else 'goal NOT met: the composed rows are not validated'})"
+                + (f"; round by round {min(rounds):.3f}-{max(rounds):.3f}" if rounds else "")
+            )
+    if "recomposed" in meta:
+        checks.append(f"* {meta['recomposed']}")
+    return [intro, "", *markdown_table(header, rows), *([""] + checks if checks else [])]
+
+
+def _row(result: dict[str, Any], size: int, path: str, step: str) -> dict[str, Any]:
+    """The row of `result` for one image size, path and kind of step."""
+    return next(r for r in result["rows"] if (r["size"], r["path"], r["step"]) == (size, path, step))
 
 
 if __name__ == "__main__":

@@ -29,11 +29,13 @@ import dataclasses
 import logging
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from benchmarks.bench_trainer_memory import PUBLISHED_PARAMS, meta_model
-from benchmarks.timing import header_line, write_json
+from benchmarks.timing import header_line, markdown_table, publish
+from t5core.config import T5Config
 from t5core.deltas import sd3_deltas
 from t5core.hosts.diffusers import linearize
 from trainer.config import ModelConfig, OptimConfig
@@ -41,6 +43,7 @@ from trainer.low_rank import low_rank_names
 from trainer.model import base_checkpoint_dtype, split_parameters
 from trainer.publishing.export import complete_fused
 
+TITLE = "T5 weights file size"
 SPECS = {"paper": {"layers": "paper"}, "all hybrid": {"layers": "all", "joint_mode": "hybrid"}}
 """The layer specs measured: the paper's, and full linear time."""
 CHOICES = (("t5", 0), ("attention", 0), ("attention", 16), ("all", 0), ("all", 16))
@@ -77,8 +80,9 @@ def file_sizes(model, *, base_bytes: int) -> list[dict]:
     """One row per layer spec and (`--model.trainable`, `--model.rank`): parameter counts and tensor bytes."""
     rows = []
     for spec, settings in SPECS.items():
+        config = T5Config(joint_mode=settings.get("joint_mode", "ttt"))
         for trainable, rank in CHOICES:
-            handle = linearize(model, **settings)
+            handle = linearize(model, config=config, layers=settings["layers"])
             split = split_parameters(handle, ModelConfig(trainable=trainable), OptimConfig())
             params = dict(handle.model.named_parameters())
             new = sum(params[name].numel() for name in split.new)
@@ -159,11 +163,6 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     print(header_line())
-    print("T5 weights file: T5 parameters in fp32, deltas of trained inherited weights in the base's precision or fp32")
-    print(
-        f"{'model':13} {'layers':10} {'trainable':10} {'rank':>4} {'T5 params':>10} {'delta params':>13} "
-        f"{'fp32 deltas':>11} {'base dtype':>18}"
-    )
     toy_dtype = str(base_checkpoint_dtype(ModelConfig())).removeprefix("torch.")
     models = {"toy": (_toy_model, toy_dtype, torch.finfo(getattr(torch, toy_dtype)).bits // 8)}
     models.update({name: (lambda name=name: meta_model(name), SD35_BASE_DTYPE, 2) for name in PUBLISHED_PARAMS})
@@ -172,29 +171,61 @@ def main() -> None:
         model = build()
         total = sum(p.numel() for p in model.parameters())
         if name in PUBLISHED_PARAMS and total != PUBLISHED_PARAMS[name]:
-            print(f"{name:13} FAIL: {total:,} parameters, the released model has {PUBLISHED_PARAMS[name]:,}")
+            failure = f"FAIL: {total:,} parameters, the released model has {PUBLISHED_PARAMS[name]:,}"
+            rows.append({"model": name, "status": failure})
             continue
-        for row in file_sizes(model, base_bytes=base_bytes):
-            row = {"model": name, "base_dtype": dtype, **row}
-            rows.append(row)
-            print(
-                f"{name:13} {row['layers']:10} {row['trainable']:10} {row['rank'] or 'full':>4} "
-                f"{row['t5_params'] / 1e6:9.2f}M {row['delta_params'] / 1e6:12.1f}M "
-                f"{_size(row['bytes_fp32']):>11} {_size(row['bytes_base']) + ' (' + dtype + ')':>18}"
-            )
+        rows += [{"model": name, "base_dtype": dtype, **row} for row in file_sizes(model, base_bytes=base_bytes)]
     meta: dict = {"specs": SPECS, "sd35_base_dtype": SD35_BASE_DTYPE}
     if args.toy_weights is not None:
         cost, distance = toy_cost(args.toy_weights, samples=args.samples)
-        print(f"\ntoy cost of the smaller file: {args.toy_weights}, ToyEval on {args.samples} captions, same noise")
-        columns = ("overall", "color", "shape", "position", "size")
-        print(f"{'deltas':8} {'file':>9} " + " ".join(f"{name:>8}" for name in columns) + f" {'val loss':>9}")
-        for row in cost:
-            scores = " ".join(f"{row[name]:8.3f}" for name in columns)
-            print(f"{row['delta_dtype']:8} {_size(row['file_bytes']):>9} {scores} {row['val_loss']:9.6f}")
-        print(f"RMS pixel difference between the two files' samples: {distance:.4f}")
         meta.update(toy_weights=str(args.toy_weights), toy_cost=cost, toy_sample_rms_difference=distance)
-    if args.json:
-        print(f"wrote {write_json('file_size', rows, meta)}")
+    publish("file_size", rows, meta, table=table, write=args.json)
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    """The markdown table: file sizes per model, spec, trained weights and rank; the toy's cost below."""
+    meta = result["meta"]
+    intro = (
+        "Tensor bytes of the exported T5 weights file per layer spec, `--model.trainable` and `--model.rank` (full: "
+        "full deltas): the T5 parameters in fp32 and the deltas of trained inherited weights in fp32 "
+        "(`--output.base_dtype fp32`) or in the base checkpoint's precision (`--output.base_dtype base`, the default)."
+    )
+    rows = [
+        [row["model"], row["status"]]
+        if "status" in row
+        else [
+            row["model"],
+            row["layers"],
+            row["trainable"],
+            str(row["rank"] or "full"),
+            f"{row['t5_params'] / 1e6:.2f}M",
+            f"{row['delta_params'] / 1e6:.1f}M",
+            _size(row["bytes_fp32"]),
+            f"{_size(row['bytes_base'])} ({row['base_dtype']})",
+        ]  # fmt: skip
+        for row in result["rows"]
+    ]
+    header = ["model", "layers", "trainable", "rank", "T5 params", "delta params", "file, fp32 deltas",
+              "file, base precision"]  # fmt: skip
+    lines = [intro, "", *markdown_table(header, rows)]
+    if "toy_cost" in meta:
+        scores = ("overall", "color", "shape", "position", "size")
+        cost = [
+            [row["delta_dtype"], _size(row["file_bytes"]), *(f"{row[name]:.3f}" for name in scores)]
+            + [f"{row['val_loss']:.6f}"]
+            for row in meta["toy_cost"]
+        ]
+        lines += [
+            "",
+            f"What the smaller file costs on the toy: `{meta['toy_weights']}` as exported (fp32 deltas) and with its "
+            f"deltas rounded to float16, ToyEval from the same noise; the two files' samples differ by "
+            f"{meta['toy_sample_rms_difference']:.4f} RMS (pixels in [0, 1]).",
+            "",
+            *markdown_table(
+                ["deltas", "file", "ToyEval overall", "color", "shape", "position", "size", "val loss"], cost
+            ),
+        ]
+    return lines
 
 
 if __name__ == "__main__":

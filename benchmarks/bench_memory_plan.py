@@ -42,10 +42,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from benchmarks.timing import header_line, write_json
+from benchmarks.step_probes import reset_peak_resident, status_kib
+from benchmarks.timing import header_line, markdown_table, publish
 from trainer.inputs.sources import PARTS_CONFIG_DIR
 from trainer.planning.memory import GIB, PlanSettings, plan_memory
 from trainer.planning.run_plan import (
@@ -58,6 +60,7 @@ from trainer.planning.run_plan import (
 from trainer.planning.time_estimate import ParamCounts, RunShape
 from trainer.validation import DECODE_BATCH
 
+TITLE = "Memory plan vs a measured step"
 RECIPE = Path(__file__).resolve().parent.parent / "trainer" / "configs" / "sd35_medium_24gb.toml"
 TOLERANCE = 0.15
 """The plan must come within 15% of the measured peak."""
@@ -79,20 +82,8 @@ MMAP_THRESHOLD = str(128 * 1024)
 """glibc serves every allocation above this from mmap and unmaps it on free (no cached heap pages)."""
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}; this benchmark needs Linux.")
-
-
-def _reset_peak() -> None:
-    """Reset the process's resident high-water mark (VmHWM) to its current resident size."""
-    Path("/proc/self/clear_refs").write_text("5")
-
-
 def _gib_since(baseline_kib: int) -> float:
-    return (_status_kib("VmHWM") - baseline_kib) * 1024 / GIB
+    return (status_kib("VmHWM") - baseline_kib) * 1024 / GIB
 
 
 class _RandomSource:
@@ -137,8 +128,8 @@ def _measure(resolution: int) -> dict:
     flags += ["--training.batch_size", "1", "--training.accumulate", "1"]
     config = parse_args(flags + ["--data.resolution", str(resolution)])
     torch.set_num_threads(config.training.threads)
-    baseline = _status_kib("VmRSS")
-    _reset_peak()
+    baseline = status_kib("VmRSS")
+    reset_peak_resident()
 
     torch.manual_seed(0)
     arch = sd35_medium_config()
@@ -171,11 +162,11 @@ def _measure(resolution: int) -> dict:
             checkpoints=CheckpointManager(Path(scratch) / "checkpoints", world, keep=1),
             metrics=MetricsWriter(Path(scratch) / "metrics.jsonl", enabled=False),
         )
-        result["settled_gib"] = (_status_kib("VmRSS") - baseline) * 1024 / GIB
+        result["settled_gib"] = (status_kib("VmRSS") - baseline) * 1024 / GIB
         for step, checkpointing in enumerate((False, True)):
             if checkpointing:
                 apply_activation_checkpointing(student)
-            _reset_peak()
+            reset_peak_resident()
             start = time.perf_counter()
             loss = train_step(parts, step)["loss/total"]
             result[f"step_ckpt{int(checkpointing)}"] = dict(
@@ -197,8 +188,8 @@ def _measure_preparation(phase: str, resolution: int) -> dict:
     """The child for one preparation phase, in the CPU pipeline's fp32: its modules built from SD3's shipped
     configs with random weights, run without gradients as `trainer.inputs.prepare` runs them; peak GiB above the
     baseline (taken before the modules are built) and the plan's inputs."""
-    baseline = _status_kib("VmRSS")
-    _reset_peak()
+    baseline = status_kib("VmRSS")
+    reset_peak_resident()
     torch.manual_seed(0)
     with torch.no_grad():
         if phase == "vae":
@@ -309,24 +300,13 @@ def _preparation_rows(resolution: int) -> list[dict]:
     generation = _run_child(resolution, "generate")
     weights = ParamCounts(trained=0, frozen=generation["weights"], buffers=generation["buffers"], largest_block=0)
     generation_plan = generation_gib(weights, RunShape(**generation["shape"]), dtype_bytes=4)
-    return [
-        dict(phase=f"preparation: VAE encoding {VAE_IMAGES} images", plan_gib=vae_plan, measured_gib=vae["peak_gib"]),
-        dict(
-            phase=f"validation: fp32 VAE decoding {DECODE_BATCH} image",
-            plan_gib=decode_plan,
-            measured_gib=decode["peak_gib"],
-        ),
-        dict(
-            phase=f"preparation: text encoders, {CAPTIONS} captions (T5 at {T5_LAYERS} of 24 layers)",
-            plan_gib=text_plan,
-            measured_gib=text["peak_gib"],
-        ),
-        dict(
-            phase=f"preparation: generating, {2 * GENERATED} samples",
-            plan_gib=generation_plan,
-            measured_gib=generation["peak_gib"],
-        ),
-    ]
+    phases = {
+        f"preparation: VAE encoding {VAE_IMAGES} images": (vae_plan, vae),
+        f"validation: fp32 VAE decoding {DECODE_BATCH} image": (decode_plan, decode),
+        f"preparation: text encoders, {CAPTIONS} captions (T5 at {T5_LAYERS} of 24 layers)": (text_plan, text),
+        f"preparation: generating, {2 * GENERATED} samples": (generation_plan, generation),
+    }
+    return [dict(phase=phase, plan_gib=plan, measured_gib=child["peak_gib"]) for phase, (plan, child) in phases.items()]
 
 
 def _fields_of(obj: object) -> dict:
@@ -358,11 +338,6 @@ def main() -> None:
     print(header_line())
     measured = _run_child(args.resolution)
     counts, shape = ParamCounts(**measured["counts"]), RunShape(**measured["shape"])
-    print(
-        f"SD3.5 Medium, {args.resolution}px, batch 1, paper layers, attention trainable ({counts.trained / 1e6:.0f}M), "
-        f"bf16, {measured['mode']}; baseline {measured['baseline_gib']:.2f} GiB subtracted"
-    )
-    print(f"{'phase':36} {'plan GiB':>9} {'measured':>9} {'plan/meas':>9}  within 15%  step s")
     rows = []
     for checkpointing in (False, True):
         settings = PlanSettings(
@@ -394,17 +369,27 @@ def main() -> None:
             plan_gib=round(row["plan_gib"], 3), measured_gib=round(row["measured_gib"], 3), ratio=round(ratio, 3)
         )
         row["within_tolerance"] = abs(ratio - 1) <= TOLERANCE
-        seconds = f"{row['seconds']:7.1f}" if "seconds" in row else ""
-        print(
-            f"{row['phase']:36} {row['plan_gib']:9.2f} {row['measured_gib']:9.2f} {ratio:9.3f}  "
-            f"{'yes' if row['within_tolerance'] else 'NO':10} {seconds}"
-        )
-    if args.json:
-        meta = dict(
-            vars(args), **{k: measured[k] for k in ("baseline_gib", "load_gib", "settled_gib", "counts", "shape")}
-        )
-        meta.pop("child")
-        write_json("memory_plan_check", rows, meta=meta)
+    meta = dict(vars(args), **{k: measured[k] for k in ("baseline_gib", "load_gib", "settled_gib", "counts", "shape")})
+    meta.pop("child")
+    publish("memory_plan_check", rows, meta, table=table, write=args.json)
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    """The markdown table: per phase, the plan against the measured peak."""
+    meta = result["meta"]
+    trained = meta["counts"]["trained"] / 1e6
+    intro = (
+        f"The memory plan against a measured training step: SD3.5 Medium's real architecture (random weights), "
+        f"{meta['resolution']} px, batch 1, `paper` layers, `attention` trainable ({trained:.0f}M parameters), "
+        f"bf16, one CPU process; peak resident memory above the {meta['baseline_gib']:.2f} GiB baseline of a "
+        "fresh process, the plan without its GPU runtime margin. The bar: within 15%."
+    )
+    rows = [
+        [row["phase"], f"{row['plan_gib']:.2f}", f"{row['measured_gib']:.2f}", f"{row['ratio']:.3f}"]
+        + ["yes" if row["within_tolerance"] else "NO"]
+        for row in result["rows"]
+    ]
+    return [intro, "", *markdown_table(["phase", "plan GiB", "measured GiB", "plan / measured", "within 15%"], rows)]
 
 
 if __name__ == "__main__":

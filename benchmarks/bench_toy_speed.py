@@ -19,10 +19,21 @@ import argparse
 import copy
 import logging
 from functools import partial
+from typing import Any
 
 import torch
 
-from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, spread, summarize, time_in_turn, write_json
+from benchmarks.timing import (
+    fmt_ms,
+    fmt_x,
+    header_line,
+    markdown_table,
+    publish,
+    speedup,
+    spread,
+    summarize,
+    time_in_turn,
+)
 from sd3_testbed.data import LATENT_CHANNELS, all_captions
 from sd3_testbed.model import ToyCond, load_toy_base
 from t5core.hosts.diffusers import linearize
@@ -30,6 +41,7 @@ from trainer.sampling import sample
 
 logger = logging.getLogger(__name__)
 
+TITLE = "Toy sampling speed"
 CHECK_ATOL = 2e-2
 """Kernel vs torch path on whole samples after a few Euler steps (fp32 compute; kernels may
 reduce in a different order, and the ODE integrates small differences)."""
@@ -75,53 +87,50 @@ def main(argv: list[str] | None = None) -> int:
         reference_handle.modules[name].load_state_dict(module.state_dict())
 
     print(header_line())
-    layers = ",".join(handle.config.layers)
-    print(f"toy sampling, {args.steps} Euler steps with CFG, batch {args.batch}, T5 layers: {layers}")
-    print(f"{'size':>6} {'tokens':>7} {'softmax ms':>16} {'T5 ms':>16} {'speedup (p20-p80)':>21}")
     rows = []
     for size in args.sizes:
         cond, noise = _inputs(size, args.batch, device)
         problem = _check(t5, reference, cond, noise, args.steps)
-        tokens = (size // 4) ** 2
+        row = {"size": size, "image_tokens": (size // 4) ** 2}
         if problem is not None:
-            print(f"{size:>6} {tokens:>7} FAIL: {problem}")
-            rows.append({"size": size, "image_tokens": tokens, "status": "FAIL", "reason": problem})
+            rows.append({**row, "status": "FAIL", "reason": problem})
             continue
+        nets = {"softmax": softmax, "t5": t5}
         times = time_in_turn(
-            {
-                model: partial(sample, net, cond, noise, steps=args.steps)
-                for model, net in (("softmax", softmax), ("t5", t5))
-            },
+            {model: partial(sample, net, cond, noise, steps=args.steps) for model, net in nets.items()},
             rounds=args.reps,
         )
-        soft, fast = summarize(times["softmax"]), summarize(times["t5"])
-        ratio, ratio_p20, ratio_p80 = spread(
-            [speedup(s, f) for s, f in zip(times["softmax"], times["t5"], strict=True)]
-        )
-        print(
-            f"{size:>6} {tokens:>7} {soft['median_ms']:>8.1f} ({soft['p20_ms']:.0f}-{soft['p80_ms']:.0f})"
-            f" {fast['median_ms']:>8.1f} ({fast['p20_ms']:.0f}-{fast['p80_ms']:.0f})"
-            f" {ratio:>8.2f}x ({ratio_p20:.2f}-{ratio_p80:.2f})"
-        )
-        rows.append(
-            {
-                "size": size,
-                "image_tokens": tokens,
-                "softmax": soft,
-                "t5": fast,
-                "speedup_vs_softmax": ratio,
-                "speedup_p20": ratio_p20,
-                "speedup_p80": ratio_p80,
-                "times_ms": times,
-            }
-        )
-    print(f"speedup = {SPEEDUP_VS_SOFTMAX}, per round; {args.reps} rounds")
-    write_json(
-        args.json,
-        rows,
-        meta={"steps": args.steps, "batch": args.batch, "rounds": args.reps, "layers": list(handle.config.layers)},
-    )
+        ratios = [speedup(s, f) for s, f in zip(times["softmax"], times["t5"], strict=True)]
+        ratio, ratio_p20, ratio_p80 = spread(ratios)
+        row.update(softmax=summarize(times["softmax"]), t5=summarize(times["t5"]), speedup_vs_softmax=ratio)
+        rows.append({**row, "speedup_p20": ratio_p20, "speedup_p80": ratio_p80, "times_ms": times})
+    meta = {"steps": args.steps, "batch": args.batch, "rounds": args.reps, "layers": list(handle.config.layers)}
+    publish(args.json, rows, meta, table=table)
     return 0
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    """The markdown table: per size, softmax and T5 ms and the per-round speedup."""
+    meta = result["meta"]
+    intro = (
+        f"Sampling the built-in toy ({meta['steps']} Euler steps with CFG, batch {meta['batch']}): the softmax "
+        f"teacher against its T5 conversion ({len(meta['layers'])} modules), timed in turn over "
+        f"{meta['rounds']} rounds; times are medians over the rounds, the speedup is the median of the "
+        "rounds' own ratios (20-80 % of them in brackets)."
+    )
+    rows = [
+        [f"{row['size']} px", row["image_tokens"], row.get("status", "FAIL")]
+        if "t5" not in row
+        else [
+            f"{row['size']} px",
+            row["image_tokens"],
+            fmt_ms(row["softmax"]["median_ms"]),
+            fmt_ms(row["t5"]["median_ms"]),
+            f"{fmt_x(row['speedup_vs_softmax'])} ({row['speedup_p20']:.2f}-{row['speedup_p80']:.2f})",
+        ]
+        for row in result["rows"]
+    ]
+    return [intro, "", *markdown_table(["image", "image tokens", "softmax ms", "T5 ms", "speedup"], rows)]
 
 
 if __name__ == "__main__":

@@ -16,10 +16,11 @@ import argparse
 import dataclasses
 import json
 import logging
+from typing import Any
 
 import torch
 
-from benchmarks.timing import header_line, write_json
+from benchmarks.timing import header_line, markdown_table, publish
 from t5core.hosts.diffusers import linearize
 from trainer.config import ModelConfig, OptimConfig
 from trainer.model import CONFIGS_DIR, split_parameters
@@ -28,6 +29,7 @@ from trainer.planning.time_estimate import ParamCounts, RunShape
 
 logger = logging.getLogger(__name__)
 
+TITLE = "Trainer memory plan"
 PUBLISHED_PARAMS = {"sd3.5_medium": 2_243_171_520, "sd3.5_large": 8_056_627_520}
 """Parameter counts of the released transformers, which the models built from `trainer/configs/models` must match."""
 CLIP_TOKENS = 77
@@ -66,15 +68,12 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     print(header_line())
-    setup = f"{args.gpus} GPUs x {args.gpu_gib:g} GiB, {args.resolution}px, batch {args.batch}/GPU"
-    print(f"plan per GPU: {setup}, bf16, gradient checkpointing, paper layers")
-    print(f"{'model':13} {'trains':10} {'mode':6} {'teacher':8} {'T5 GiB':>8} {'softmax':>8} {'ratio':>6}  fits")
     rows = []
     for name, published in PUBLISHED_PARAMS.items():
         model = meta_model(name)
         total = sum(p.numel() for p in model.parameters())
         if total != published:
-            print(f"{name:13} FAIL: {total:,} parameters, the released model has {published:,}")
+            rows.append(dict(model=name, status=f"FAIL: {total:,} parameters, the released model has {published:,}"))
             continue
         side = args.resolution // (VAE_FACTOR * model.config.patch_size)
         shape = RunShape(
@@ -98,11 +97,6 @@ def main() -> None:
                     )
                     plan = plan_memory(t5_counts, shape, settings, budget_gib=args.gpu_gib)
                     base_gib = plan_memory(softmax_counts, shape, settings).total_gib
-                    fits = "yes" if plan.fits else "NO"
-                    print(
-                        f"{name:13} {trainable:10} {mode:6} {'yes' if teacher else 'no':8} "
-                        f"{plan.total_gib:8.1f} {base_gib:8.1f} {plan.total_gib / base_gib:6.3f}  {fits}"
-                    )
                     rows.append(
                         dict(
                             model=name,
@@ -115,8 +109,29 @@ def main() -> None:
                             components={k: round(v, 2) for k, v in plan.components.items()},
                         )
                     )
-    if args.json:
-        write_json("trainer_memory", rows, meta=vars(args))
+    publish("trainer_memory", rows, vars(args), table=table, write=args.json)
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    """The markdown table: the plan per model and trained weights, per mode, with and without the teacher."""
+    meta = result["meta"]
+    intro = (
+        f"The trainer's memory plan per GPU (an estimate, not a measurement): {meta['gpus']} GPUs x "
+        f"{meta['gpu_gib']:g} GiB, {meta['resolution']} px, batch {meta['batch']} per GPU, bf16, gradient "
+        "checkpointing, `paper` layers."
+    )
+    plans = {(r["model"], r["trainable"], r["mode"], r["teacher"]): r for r in result["rows"] if "t5_gib" in r}
+    rows = [[r["model"], r["status"], "", "", "", ""] for r in result["rows"] if "status" in r]
+    for model, trainable in dict.fromkeys((r["model"], r["trainable"]) for r in plans.values()):
+        cells = []
+        for mode, teacher in [("ddp", False), ("ddp", True), ("fsdp2", False), ("fsdp2", True)]:
+            plan = plans[(model, trainable, mode, teacher)]
+            cells.append(f"{plan['t5_gib']:.1f} GiB" + ("" if plan["fits"] else " (does not fit)"))
+        rows.append([model, trainable, *cells])
+    extra = [100 * (r["t5_gib"] / r["softmax_gib"] - 1) for r in plans.values()]
+    header = ["model", "trains", "DDP", "DDP + teacher", "FSDP2", "FSDP2 + teacher"]
+    note = f"T5 adds {min(extra):.1f}-{max(extra):.1f} % over the same fine-tune of the softmax model." if extra else ""
+    return [intro, "", *markdown_table(header, rows), "", note]
 
 
 if __name__ == "__main__":

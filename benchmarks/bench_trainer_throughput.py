@@ -19,13 +19,15 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from benchmarks.timing import SPEEDUP_VS_SOFTMAX, header_line, speedup, write_json
+from benchmarks.timing import fmt_x, header_line, markdown_table, publish, speedup
 from testing.trainer_assets import write_base, write_cache
 from trainer.metrics import read_metrics
 
+TITLE = "Trainer throughput"
 REPO = Path(__file__).resolve().parent.parent
 RUN = str(REPO / "trainer" / "run.py")
 LOSS_RTOL = 1e-5
@@ -66,8 +68,6 @@ def main() -> None:
     args = parser.parse_args()
 
     print(header_line())
-    print(f"tiny SD3.5-Medium-like, 24x16 latents + 7 text tokens, global batch {args.batch}, 1 thread per process")
-    print(f"{'attention':9} {'procs':>5} {'mode':6} {'ms/step':>8} {'img/s':>7} {'speedup':>8} {'vs 1 proc':>9}  check")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
@@ -83,27 +83,33 @@ def main() -> None:
             mine = [m["loss/total"] for m in metrics]
             ok = torch.allclose(torch.tensor(mine), torch.tensor(one), rtol=LOSS_RTOL, atol=0)
             ms = 1e3 * statistics.median(m["time/step(s)"] for m in metrics[args.warmup :])
-            sdpa_ms = 1e3 * statistics.median(m["time/step(s)"] for m in results[("sdpa", procs, mode)][args.warmup :])
-            one_ms = 1e3 * statistics.median(m["time/step(s)"] for m in results[(attention, 1, "ddp")][args.warmup :])
             row = dict(
                 attention=attention, procs=procs, mode=mode, ms_per_step=round(ms, 2), check="ok" if ok else "FAIL"
             )
-            if ok:
-                row.update(
-                    img_per_s=round(args.batch / ms * 1e3, 2),
-                    speedup_vs_softmax=round(speedup(sdpa_ms, ms), 3),
-                    speedup_vs_one_process=round(speedup(one_ms, ms), 3),
-                )
-                print(
-                    f"{attention:9} {procs:5} {mode:6} {ms:8.1f} {row['img_per_s']:7.1f} "
-                    f"{row['speedup_vs_softmax']:7.2f}x {row['speedup_vs_one_process']:8.2f}x  ok"
-                )
-            else:
-                print(f"{attention:9} {procs:5} {mode:6} {'FAIL: losses differ from one process':>40}")
-            rows.append(row)
-    print(f"speedup = {SPEEDUP_VS_SOFTMAX} at the same processes and mode; vs 1 proc = 1-process time / this time")
-    if args.json:
-        write_json("trainer_throughput", rows, meta=vars(args))
+            rows.append({**row, "img_per_s": round(args.batch / ms * 1e3, 2)} if ok else row)
+    publish("trainer_throughput", rows, vars(args), table=table, write=args.json)
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    """The markdown table: ms per step, the speedup vs softmax and vs one process."""
+    meta = result["meta"]
+    intro = (
+        f"Training steps of the trainer on its tiny test model (global batch {meta['batch']}, median after "
+        f"{meta['warmup']} warm-up steps, one thread per process); speedup is against softmax (SDPA) at the same "
+        "processes and mode, and vs 1 process is the 1-process time / this time."
+    )
+    ms = {(row["attention"], row["procs"], row["mode"]): row["ms_per_step"] for row in result["rows"]}
+    rows = []
+    for row in result["rows"]:
+        key = (row["attention"], row["procs"], row["mode"])
+        mode = "-" if row["procs"] == 1 else row["mode"].upper()
+        if row["check"] != "ok":
+            rows.append([row["attention"].upper(), row["procs"], mode, "FAIL: losses differ from one process", "", ""])
+            continue
+        vs_softmax = speedup(ms[("sdpa", *key[1:])], ms[key])
+        vs_one = speedup(ms[(row["attention"], 1, "ddp")], ms[key])
+        rows.append([row["attention"].upper(), row["procs"], mode, f"{ms[key]:.1f}", fmt_x(vs_softmax), fmt_x(vs_one)])
+    return [intro, "", *markdown_table(["attention", "processes", "mode", "ms/step", "speedup", "vs 1 process"], rows)]
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["AttentionClock", "PeakMemory", "peak_resident_mib"]
+__all__ = ["AttentionClock", "PeakMemory", "peak_resident_mib", "reset_peak_resident", "status_kib"]
 
 
 class AttentionClock:
@@ -100,15 +100,24 @@ _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
-def _status_kib(field: str) -> int:
-    return int(re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE).group(1))
+def status_kib(field: str) -> int:
+    """A memory field of this process's `/proc/self/status` (`VmRSS`, `VmHWM`) in KiB. Linux only."""
+    found = re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+    if found is None:
+        raise RuntimeError(f"/proc/self/status has no {field}; this measurement needs Linux.")
+    return int(found.group(1))
+
+
+def reset_peak_resident() -> None:
+    """Reset this process's peak resident set size (`VmHWM`) to its current resident set (Linux 4.0+)."""
+    _CLEAR_REFS.write_text("5")
 
 
 def peak_resident_mib() -> float:
     """This process's peak resident set size so far (Linux `VmHWM`) in MiB. Unlike `ru_maxrss`, which
     Linux carries across `exec`, so that a spawned child starts from its parent's resident set at the fork,
     it counts only this process image."""
-    return _status_kib("VmHWM") / 1024
+    return status_kib("VmHWM") / 1024
 
 
 class PeakMemory:
@@ -145,8 +154,8 @@ class PeakMemory:
             self._base = torch.cuda.memory_allocated()
             return
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-        _CLEAR_REFS.write_text("5")
-        self._base = _status_kib("VmRSS") * 1024
+        reset_peak_resident()
+        self._base = status_kib("VmRSS") * 1024
 
     def stop_mib(self) -> tuple[float, float]:
         """`(peak above the start, memory held at the start)` in MiB."""
@@ -154,5 +163,5 @@ class PeakMemory:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
         else:
-            peak = _status_kib("VmHWM") * 1024
+            peak = status_kib("VmHWM") * 1024
         return (peak - self._base) / 2**20, self._base / 2**20

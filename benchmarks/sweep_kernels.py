@@ -14,8 +14,8 @@ with `launch=LaunchSettings(...)` for both passes:
 
 The defaults run first in each sweep. Every setting is checked against the fp32 torch reference
 before it is timed; one that fails the check or does not compile or launch (shared memory,
-registers) is recorded with its reason and skipped. Prints each sweep sorted by time with the
-fastest against the default, and writes `benchmarks/results/kernels_sweep_<device>.json`.
+registers) is recorded with its reason and skipped. Prints each sweep's default against its
+fastest setting, and writes `benchmarks/results/kernels_sweep_<device>.json`.
 
 Without CUDA, `TRITON_INTERPRET=1` and tiny shapes exercise the script (times mean nothing there).
 """
@@ -28,16 +28,17 @@ import functools
 import itertools
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import torch
 
-from benchmarks.bench_kernels import DTYPES, AttentionCase
-from benchmarks.timing import RESULTS_DIR, header_line, speedup, time_fn, write_json
+from benchmarks.cases import DTYPES, AttentionCase, add_case_arguments, grid_of
+from benchmarks.timing import fmt_ms, fmt_x, header_line, markdown_table, publish, speedup, time_fn
 from t5kernels import t5_attention, unsupported_reason
 from t5kernels.launch import LaunchSettings, cuda_settings
 from testing.tolerances import KERNEL_RATIO, relative_rms
 
+TITLE = "Kernel launch settings"
 SWEEPS = ("fwd", "map", "bwd")
 
 
@@ -85,7 +86,7 @@ def sweep_rows(sweep: str, case: AttentionCase, reference: torch.Tensor, args: a
                 continue
             if sweep == "bwd":
                 leaves = tuple(x.detach().requires_grad_() for x in qkv)
-                step = functools.partial(_forward_backward, leaves, parameters, settings, torch.randn_like(case.q))
+                step = functools.partial(_forward_backward, leaves, parameters, settings, case.grad)
             else:
                 step = torch.no_grad()(functools.partial(_forward, qkv, parameters, settings))
             timing = time_fn(step, warmup=args.warmup, reps=args.reps)
@@ -96,53 +97,55 @@ def sweep_rows(sweep: str, case: AttentionCase, reference: torch.Tensor, args: a
     return rows
 
 
-def settings_label(row: dict) -> str:
-    return (
-        f"tile {row['block_n']:>3} map {row['map_block_n']:>3} warps {row['num_warps']:>2} "
-        f"stages {row['num_stages']} progs/SM {row['programs_per_sm']}"
-    )
+def _label(row: dict[str, Any]) -> str:
+    return ", ".join(f"{name} {row[name]}" for name in ("block_n", "map_block_n", "num_warps", "num_stages",
+                                                         "programs_per_sm"))  # fmt: skip
 
 
-def print_sweep(sweep: str, rows: list[dict]) -> dict:
-    """Print one sweep, fastest first; returns its summary (default and fastest)."""
+def summary(sweep: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One sweep's default and fastest setting."""
     timed = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: r["median_ms"])
     default = next(r for r in rows if r["default"])
-    print(f"\n{sweep}: {len(timed)} of {len(rows)} settings timed")
-    for row in timed:
-        mark = "  <- default" if row["default"] else ""
-        print(f"  {settings_label(row)}  {row['median_ms']:9.3f} ms  (p20 {row['p20_ms']:.3f}){mark}")
-    for row in rows:
-        if row["status"] != "ok":
-            print(f"  {settings_label(row)}  {row['status']}")
-    summary = {"sweep": sweep, "default_status": default["status"]}
+    result = {"sweep": sweep, "default_status": default["status"], "timed": len(timed), "settings": len(rows)}
     if timed and default["status"] == "ok":
         best = timed[0]
-        summary.update(
+        result.update(
             default_ms=default["median_ms"],
             best_ms=best["median_ms"],
             best={field.name: best[field.name] for field in dataclasses.fields(LaunchSettings)},
             speedup_vs_default=speedup(default["median_ms"], best["median_ms"]),
         )
-        print(
-            f"  fastest: {settings_label(best)}, speedup vs the default (default time / its time) "
-            f"{summary['speedup_vs_default']:.2f}x"
-        )
-    return summary
+    return result
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    """The markdown table: per sweep, the default against the fastest setting."""
+    meta = result["meta"]
+    grid = "x".join(map(str, meta["grid"]))
+    intro = (
+        f"Launch settings of the kernels at grid {grid} + {meta['text']} text tokens, {meta['dtype']}: the "
+        "defaults against the fastest setting each sweep found (speedup vs the default = default time / its time)."
+    )
+    rows = [
+        [s["sweep"], fmt_ms(s["default_ms"]), fmt_ms(s["best_ms"]), fmt_x(s["speedup_vs_default"]), _label(s["best"])]
+        if "best_ms" in s
+        else [s["sweep"], s["default_status"], "", "", ""]
+        for s in meta["summaries"]
+    ]
+    header = ["sweep", "default ms", "fastest ms", "speedup vs default", "fastest"]
+    failed = [f"* {row['sweep']}, {_label(row)}: {row['status']}" for row in result["rows"] if row["status"] != "ok"]
+    return [intro, "", *markdown_table(header, rows), *([""] + failed if failed else [])]
 
 
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--grid", help="image token grid HxW (default: 128x128 on CUDA, 5x7 on CPU)")
-    parser.add_argument("--text", type=int, help="text tokens (default: 333 on CUDA, 6 on CPU)")
-    parser.add_argument("--batch", type=int, default=2, help="batch (2 = one CFG pair)")
-    parser.add_argument("--heads", type=int, help="heads (default: 24 on CUDA, 2 on CPU)")
-    parser.add_argument("--head-dim", type=int, help="head dim (default: 64 on CUDA, 16 on CPU)")
-    parser.add_argument("--dtype", choices=list(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--grid", type=grid_of, help="image token grid HxW (default: 128x128 on CUDA, 5x7 on CPU)")
+    # defaults per device: 24 heads x 64 and 333 text tokens on CUDA, 2 x 16 and 6 on CPU
+    add_case_arguments(parser, heads=None, text=None, batch=2, head_dim=None)
     parser.add_argument("--sweeps", nargs="+", choices=SWEEPS, default=list(SWEEPS))
     parser.add_argument("--fwd-block-n", type=int_list, default=[32, 64, 128], help="reduction tiles, forward")
     parser.add_argument("--bwd-block-n", type=int_list, default=[16, 32, 64], help="reduction tiles, backward")
@@ -155,10 +158,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--budget-s", type=float, default=240.0, help="seconds for all sweeps, split evenly; none starts a setting late"
     )
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON goes")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cuda = args.device == "cuda"
-    args.grid = args.grid or ("128x128" if cuda else "5x7")
+    args.grid = args.grid or ((128, 128) if cuda else (5, 7))
     args.text = args.text if args.text is not None else (333 if cuda else 6)
     args.heads = args.heads or (24 if cuda else 2)
     args.head_dim = args.head_dim or (64 if cuda else 16)
@@ -171,29 +173,24 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    side_h, side_w = (int(x) for x in args.grid.lower().split("x"))
-    case = AttentionCase(side_h, side_w, args)
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    case = AttentionCase(args.grid, args)
     reason = unsupported_reason(case.q, variant=case.module.variant)
     if reason is not None:
         raise SystemExit(f"the kernels cannot run here: {reason}")
     print(header_line())
-    print(
-        f"T5 attention launch sweep: B={args.batch}, {args.heads} heads x {args.head_dim}, grid {args.grid}, "
-        f"text {args.text} last, {args.dtype}, swiglu, locality, key norm; budget {args.budget_s:.0f} s"
-    )
     reference = case.reference()
     share_s = args.budget_s / len(args.sweeps)
     rows, summaries = [], []
     for sweep in args.sweeps:
         sweep_result = sweep_rows(sweep, case, reference, args, deadline=time.monotonic() + share_s)
         rows += sweep_result
-        summaries.append(print_sweep(sweep, sweep_result))
+        summaries.append(summary(sweep, sweep_result))
     meta = {key: value for key, value in vars(args).items() if key not in ("results_dir", "cpu_default")}
     meta["summaries"] = summaries
-    path = write_json(f"kernels_sweep_{args.device}", rows, meta, directory=args.results_dir)
-    print(f"\nwrote {path}")
+    name = f"kernels_sweep_{args.device}"
+    publish(name, rows, meta, table=table, directory=args.results_dir)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Shared timing and reporting helpers for the benchmark scripts.
 
 Every script in `benchmarks/` times with `time_fn` (one path) or `time_in_turn` (paths compared in one
-run, timed in turn round by round), starts its table with `header_line()` and saves
-its rows with `write_json`, so numbers from different scripts are taken and recorded the same way.
+run, timed in turn round by round), starts its output with `header_line()` and ends it with `publish`:
+the JSON under `benchmarks/results/` and its owner's markdown `table(result)`, the same lines that
+`python -m benchmarks.report` writes into `benchmarks/README.md`. Numbers from different scripts are
+so taken, recorded and shown the same way.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +26,8 @@ import torch
 from t5core.atomic import write_text_atomic
 
 __all__ = [
-    "RESULTS_DIR", "SPEEDUP_VS_SOFTMAX", "environment", "header_line", "speedup", "spread", "summarize", "time_call",
-    "time_fn", "time_in_turn", "write_json",
+    "RESULTS_DIR", "SPEEDUP_VS_SOFTMAX", "environment", "fmt_ms", "fmt_x", "header_line", "markdown_table", "publish",
+    "speedup", "spread", "stored_table", "summarize", "time_call", "time_fn", "time_in_turn", "write_json",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -179,17 +182,73 @@ def header_line() -> str:
 
 
 def write_json(
-    name: str, rows: list[dict[str, Any]], meta: dict[str, Any] | None = None, *, directory: Path = RESULTS_DIR
+    name: str,
+    rows: list[dict[str, Any]],
+    meta: dict[str, Any] | None = None,
+    *,
+    directory: Path = RESULTS_DIR,
+    script: str | None = None,
 ) -> Path:
     """Write `{"meta": ..., "rows": ...}` to `<directory>/<name>.json` (default `benchmarks/results/`)
     atomically.
 
-    `meta` is merged over `environment()`, so every file records where it was measured.
+    `meta` is merged over `environment()`, so every file records where it was measured, and `script`
+    (the import name of the module whose `TITLE` and `table(result)` render the file) goes to
+    `meta["script"]`, which `benchmarks.report` reads.
 
     Returns:
         The path written.
     """
-    payload = {"meta": {**environment(), **(meta or {})}, "rows": rows}
+    payload = {"meta": {**environment(), **({"script": script} if script else {}), **(meta or {})}, "rows": rows}
     path = write_text_atomic(directory / f"{name}.json", json.dumps(payload, indent=2) + "\n")
     logger.info("wrote %s", path)
     return path
+
+
+def publish(
+    name: str,
+    rows: list[dict[str, Any]],
+    meta: dict[str, Any],
+    *,
+    table: Callable[[dict[str, Any]], list[str]],
+    directory: Path = RESULTS_DIR,
+    write: bool = True,
+) -> dict[str, Any]:
+    """Print the markdown table of a run, as `benchmarks/README.md` will show it, and write its JSON
+    (`write_json`, with the module of `table` as its owner) when `write`.
+
+    Returns:
+        The result, `{"meta": ..., "rows": ...}`.
+    """
+    script = table.__module__
+    if script == "__main__":
+        script = sys.modules["__main__"].__spec__.name
+    result = {"meta": {**environment(), "script": script, **meta}, "rows": rows}
+    print("\n".join(table(result)))
+    if write:
+        print(f"wrote {write_json(name, rows, result['meta'], directory=directory)}")
+    return result
+
+
+def fmt_ms(value: float) -> str:
+    """A time in ms for a table: no decimals from 100 ms, one below."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def fmt_x(value: float) -> str:
+    """A ratio for a table: `1.23x`."""
+    return f"{value:.2f}x"
+
+
+def markdown_table(header: Iterable[str], rows: Iterable[Iterable[Any]]) -> list[str]:
+    """The lines of a markdown table."""
+    header = list(header)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+
+def stored_table(result: dict[str, Any]) -> list[str]:
+    """The table a script stored as text in `meta["table"]` (a header line, a description line, a blank
+    line, then the table), as a report section: the description, a blank line and the table."""
+    lines = result["meta"]["table"].splitlines()
+    return [lines[1] + ".", "", *lines[3:]]

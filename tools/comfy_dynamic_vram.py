@@ -30,11 +30,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks.timing import header_line, write_json
+from benchmarks.timing import header_line, markdown_table, publish
 from t5core.hosts.comfy_runtime import COPY_LOG
 from t5core.hosts.diffusers import arch_of
 from testing import comfy_env, comfy_tiny
@@ -42,6 +43,8 @@ from testing.comfy_prompts import sampling_prompt
 from testing.comfy_server import ComfyServer
 from testing.models import tiny_transformer
 from tools.comfy_check import parse_check_args
+
+TITLE = "ComfyUI Dynamic VRAM"
 
 CHECKPOINT, WEIGHTS, LORA = "tiny_sd35m.safetensors", "tiny_t5_base.safetensors", "tiny_lora.safetensors"
 QKV = "joint_blocks.1.x_block.attn.qkv.weight"
@@ -139,6 +142,16 @@ def checks(latents: dict[str, torch.Tensor], log: str, cuda: bool) -> list[dict]
     ]
 
 
+def table(result: dict[str, Any]) -> list[str]:
+    """The markdown table of the checks (`python -m benchmarks.report` renders it)."""
+    rows = [
+        [item["check"], ("ok" if item["ok"] else "FAIL") if item["applies"] else "n/a", item["evidence"]]
+        for item in result["rows"]
+    ]
+    intro = "T5 Linearize in a real ComfyUI server (Dynamic VRAM on CUDA)."
+    return [intro, "", *markdown_table(["check", "result", "evidence"], rows)]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_check_args(__doc__.split("\n\n")[0], argv)
     tree = args.tree
@@ -153,24 +166,10 @@ def main(argv: list[str] | None = None) -> int:
             latents, seconds = run_prompts(server)
             log = server.log()
     rows = checks(latents, log, cuda)
-    print(f"{'check':<30} {'result':<6} evidence")
-    for item in rows:
-        result = ("ok" if item["ok"] else "FAIL") if item["applies"] else "n/a"
-        print(f"{item['check']:<30} {result:<6} {item['evidence']}")
     print("prompt seconds: " + ", ".join(f"{name} {value:.2f}" for name, value in seconds.items()))
-    device = "cuda" if cuda else "cpu"
-    path = write_json(
-        f"comfy_dynamic_vram_{device}",
-        rows,
-        {
-            "comfyui": str(tree),
-            "prompt_seconds": seconds,
-            "per_call_copies": per_call_copies(log),
-            "log_tail": log.splitlines()[-60:],
-        },
-        directory=args.results_dir,
-    )
-    print(f"wrote {path}")
+    meta = {"comfyui": str(tree), "prompt_seconds": seconds, "per_call_copies": per_call_copies(log)}
+    meta["log_tail"] = log.splitlines()[-60:]
+    publish(f"comfy_dynamic_vram_{'cuda' if cuda else 'cpu'}", rows, meta, table=table, directory=args.results_dir)
     return 0 if all(item["ok"] for item in rows if item["applies"]) else 1
 
 

@@ -30,14 +30,17 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from benchmarks.timing import header_line, write_json
+from benchmarks.timing import header_line, markdown_table, publish
 from t5core.hosts.comfy_runtime import KEY
 from testing import comfy_env, comfy_tiny
 from testing.models import tiny_transformer
 from tools.comfy_check import parse_check_args
+
+TITLE = "ComfyUI partial (low-VRAM) load"
 
 RUNTIME_LOGGER = "t5core.hosts.comfy_runtime"
 PER_CALL = "for this call"
@@ -120,6 +123,16 @@ def run_check(base_dir: Path) -> tuple[list[dict], dict]:
     return rows, meta
 
 
+def table(result: dict[str, Any]) -> list[str]:
+    """The markdown table of the checks (`python -m benchmarks.report` renders it)."""
+    rows = [[item["check"], "ok" if item["ok"] else "FAIL", item["evidence"]] for item in result["rows"]]
+    intro = (
+        "T5 Linearize under ComfyUI's partial (low-VRAM) load with a weight budget of half the model, against a "
+        "full load."
+    )
+    return [intro, "", *markdown_table(["check", "result", "evidence"], rows)]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_check_args(__doc__.split("\n\n")[0], argv)
     tree = args.tree
@@ -128,13 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="t5-lowvram-") as temp:
         comfy_env.import_comfy(tree.resolve(), Path(temp), cpu=not cuda)
         rows, meta = run_check(Path(temp))
-    print(f"{'check':<24} {'result':<6} evidence")
-    for item in rows:
-        print(f"{item['check']:<24} {'ok' if item['ok'] else 'FAIL':<6} {item['evidence']}")
-    path = write_json(
-        f"comfy_lowvram_{'cuda' if cuda else 'cpu'}", rows, {"comfyui": str(tree), **meta}, directory=args.results_dir
-    )
-    print(f"wrote {path}")
+    name = f"comfy_lowvram_{'cuda' if cuda else 'cpu'}"
+    publish(name, rows, {"comfyui": str(tree), **meta}, table=table, directory=args.results_dir)
     return 0 if all(item["ok"] for item in rows) else 1
 
 

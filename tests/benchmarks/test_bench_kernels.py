@@ -1,7 +1,8 @@
-"""`benchmarks/bench_kernels.py` and `benchmarks/sweep_kernels.py` end to end with the kernels under
-Triton's interpreter, at tiny shapes: every branch a GPU run takes (check against the reference,
-Triton timing columns, bandwidth, forward + backward, the whole-transformer rows with the Triton
-backend, each sweep and its budget) runs before a GPU is at hand."""
+"""`benchmarks/bench_attention.py --paths ...,triton`, `benchmarks/bench_kernels.py` and
+`benchmarks/sweep_kernels.py` end to end with the kernels under Triton's interpreter, at tiny shapes:
+every branch a GPU run takes (check against the reference, Triton timing columns, bandwidth, forward +
+backward, the whole-transformer rows with the Triton backend, each sweep and its budget) runs before a
+GPU is at hand."""
 
 from __future__ import annotations
 
@@ -28,29 +29,37 @@ def _run_interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
     return result
 
 
-def test_bench_kernels_runs_every_triton_branch_under_the_interpreter(tmp_path):
-    pytest.importorskip("diffusers")
+def test_attention_paths_run_every_triton_branch_under_the_interpreter(tmp_path):
     result = _run_interpreted(
-        "bench_kernels.py",
-        "--grids", "3x5", "1x6",
-        "--heads=2", "--head-dim=16", "--text=4", "--reps=2", "--warmup=0",
-        "--backward", "--model-step", "--model-res", "64", "--peak-gbs=100",
+        "bench_attention.py",
+        "--paths=sdpa,t5,triton,hybrid", "--grids", "3x5", "1x6",
+        "--heads=2", "--head-dim=16", "--text=4", "--batch=2", "--rounds=2", "--backward", "--peak-gbs=100",
         f"--results-dir={tmp_path}",
     )  # fmt: skip
     assert "FAIL" not in result.stdout
+    meta, rows = (json.loads((tmp_path / "attention_cpu.json").read_text())[key] for key in ("meta", "rows"))
+    assert meta["script"] == "benchmarks.bench_attention" and meta["peak_gbs"] == 100
+    assert [row["grid"] for row in rows] == ["3x5", "1x6"]
+    for row in rows:
+        assert row["status"] == "ok" and "skipped" not in row
+        assert row["errors"]["triton"] <= 1e-5 and row["errors"]["t5"] <= 1e-5 and row["errors"]["hybrid"] <= 1e-5
+        assert set(row["ms"]) == {"fwd", "fwdbwd"}
+        assert all(set(times) == {"sdpa", "t5", "triton", "hybrid"} for times in row["ms"].values())
+        # q, k, v read (k twice) and the output written: 5 tensors of B x N x H x D fp32 values
+        assert row["triton_bytes"] == 5 * 2 * (row["image_tokens"] + 4) * 2 * 16 * 4
+
+
+def test_model_step_runs_the_triton_backend_under_the_interpreter(tmp_path):
+    pytest.importorskip("diffusers")
+    result = _run_interpreted(
+        "bench_kernels.py", "--resolutions", "64", "--text=4", "--reps=2", "--warmup=0", f"--results-dir={tmp_path}"
+    )
+    assert "FAIL" not in result.stdout
     rows = json.loads((tmp_path / "kernels_cpu.json").read_text())["rows"]
-    attention = [row for row in rows if "model" not in row]
-    model = [row["model"] for row in rows if "model" in row]
-    assert [row["grid"] for row in attention] == ["3x5", "1x6"]
-    for row in attention:
-        assert row["status"] == "ok"
-        assert row["triton_rel_err"] <= 1e-5
-        assert {"triton_median_ms", "triton_fwdbwd_median_ms", "triton_speedup_vs_torch", "triton_gbs"} <= row.keys()
-        assert row["bytes"] == 5 * 2 * row["tokens"] * 2 * 16 * 4
-    assert len(model) == 1 and model[0]["status"] == "ok"
+    assert len(rows) == 1 and rows[0]["status"] == "ok"
     for spec in ("paper", "all"):
-        assert model[0][f"{spec}_triton_rel_err"] <= 1e-4
-        assert {f"{spec}_triton_speedup_vs_softmax", f"{spec}_torch_speedup_vs_softmax"} <= model[0].keys()
+        assert rows[0][f"{spec}_triton_rel_err"] <= 1e-4
+        assert {f"{spec}_triton_median_ms", f"{spec}_torch_median_ms"} <= rows[0].keys()
 
 
 def _sweep(tmp_path: Path, *args: str) -> dict:

@@ -1,0 +1,171 @@
+"""The case set-up the attention benchmarks share: one T5 attention call's inputs and every path on them.
+
+An `AttentionCase` holds seeded q, k, v and an output gradient of shape `(B, N, H, D)` for an image
+grid plus text tokens first (ComfyUI's order), and a `T5Attention` with its initial parameters. Each
+path in `PATHS` runs on those inputs, forward (`forward`) or forward + backward (`forward_backward`),
+and `check` compares a path with what it must equal before it is timed. `goal` states one goal
+against a quantity measured in the same run. `benchmarks/bench_attention.py` times the paths and
+`benchmarks/sweep_kernels.py` the kernels' launch settings on these cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from benchmarks.timing import RESULTS_DIR
+from t5core import T5Attention
+from t5core.ttt import t5_attention_ref
+from t5core.ttt_chunked import DEFAULT_CHUNK_TOKENS, t5_attention_chunked
+from testing.tolerances import CHUNKED_RATIO, KERNEL_RATIO, relative_rms
+
+__all__ = ["DTYPES", "PATHS", "AttentionCase", "add_case_arguments", "goal", "grid_of", "softmax_backend"]
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PATHS = {
+    "sdpa": "softmax over all tokens (`F.scaled_dot_product_attention`)",
+    "ref": "the plain T5 reference (`t5core.ttt.t5_attention_ref`)",
+    "chunked": "the chunked torch path (`t5core.ttt_chunked.t5_attention_chunked`)",
+    "t5": "`T5Attention` on `--backend`, T5 over all tokens",
+    "hybrid": "`T5Attention(exact_text=True)`: exact softmax wherever text takes part, T5 between image tokens",
+    "hybrid_na": "hybrid with the 5x5 neighbourhood softmax blended into the image rows (`neighborhood=5`)",
+    "triton": "`T5Attention` on the fused Triton kernels",
+}
+"""Every path a case runs, by name."""
+_MODULE_OPTIONS = {
+    "t5": {},
+    "triton": {"backend": "triton"},
+    "hybrid": {"exact_text": True},
+    "hybrid_na": {"exact_text": True, "neighborhood": 5},
+}
+
+
+def grid_of(text: str) -> tuple[int, int]:
+    """An image grid from `HxW`, or from a square number of tokens."""
+    if "x" in text.lower():
+        side_h, side_w = (int(side) for side in text.lower().split("x"))
+        return side_h, side_w
+    side = round(int(text) ** 0.5)
+    if side * side != int(text):
+        raise argparse.ArgumentTypeError(f"{text}: give HxW or a square number of image tokens")
+    return side, side
+
+
+def add_case_arguments(
+    parser: argparse.ArgumentParser, *, heads: int | None, text: int | None, batch: int, head_dim: int | None = 64
+) -> None:
+    """The flags of one attention case, with this script's defaults (None: the script sets one per
+    device after parsing); `--results-dir` too."""
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=batch, help="batch (2 = one CFG pair)")
+    parser.add_argument("--heads", type=int, default=heads)
+    parser.add_argument("--head-dim", type=int, default=head_dim)
+    parser.add_argument("--text", type=int, default=text, help="text tokens, before the image grid")
+    parser.add_argument("--dtype", choices=list(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON goes")
+
+
+def softmax_backend(device: str) -> contextlib.AbstractContextManager:
+    """FlashAttention for every SDPA call on CUDA (the softmax baseline); the default on CPU."""
+    if device != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+
+
+class AttentionCase:
+    """Seeded inputs of one attention shape and the T5 modules of its paths (module docstring).
+
+    Args:
+        grid (`tuple[int, int]`): the image grid `(h, w)`.
+        args (`argparse.Namespace`): the flags of `add_case_arguments`.
+    """
+
+    def __init__(self, grid: tuple[int, int], args: argparse.Namespace) -> None:
+        self.dtype = DTYPES[args.dtype]
+        self.text = args.text
+        self.tokens = grid[0] * grid[1] + args.text
+        generator = torch.Generator().manual_seed(0)
+        shape = (args.batch, self.tokens, args.heads, args.head_dim)
+        self.q, self.k, self.v, self.grad = (
+            torch.randn(shape, generator=generator).to(args.device, self.dtype) for _ in range(4)
+        )
+        torch.manual_seed(0)
+        self.backend = getattr(args, "backend", "torch")
+        self.module = T5Attention(args.heads, args.head_dim, backend=self.backend).to(args.device)
+        self._modules = {"t5": self.module}
+        self._args = args
+        self.layout = dict(grid=grid, text_tokens=args.text, text_first=True)
+        self._reference: Tensor | None = None
+
+    def parameters(self) -> dict:
+        """The module's parameters and the token layout, as `t5_attention(q, k, v, **...)` takes them."""
+        m = self.module
+        conv = dict(q_conv=(m.q_conv.weight, m.q_conv.bias), k_conv=(m.k_conv.weight, m.k_conv.bias))
+        return dict(weights=m.fast_weights(), **conv, **self.layout)
+
+    def call(self, path: str, q: Tensor, k: Tensor, v: Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+        """One call of `path` (a key of `PATHS`) on these q, k, v."""
+        if path == "sdpa":
+            return F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+        if path == "ref":
+            return t5_attention_ref(q, k, v, **self.parameters())
+        if path == "chunked":
+            return t5_attention_chunked(q, k, v, chunk_tokens=chunk_tokens, **self.parameters())
+        if path not in self._modules:
+            args = self._args
+            module = T5Attention(args.heads, args.head_dim, **{"backend": self.backend, **_MODULE_OPTIONS[path]})
+            module.load_state_dict(self.module.state_dict())
+            self._modules[path] = module.to(args.device)
+        return self._modules[path](q, k, v, **self.layout)
+
+    def forward(self, path: str, **options: int) -> Callable[[], Tensor]:
+        """A no-grad forward of `path` on the case's inputs (options: `chunk_tokens`)."""
+
+        @torch.no_grad()
+        def run() -> Tensor:
+            return self.call(path, self.q, self.k, self.v, **options)
+
+        return run
+
+    def forward_backward(self, path: str) -> Callable[[], None]:
+        """A forward of `path` and its backward from the case's output gradient, to q, k, v and parameters."""
+
+        def run() -> None:
+            leaves = [x.detach().requires_grad_() for x in (self.q, self.k, self.v)]
+            self.call(path, *leaves).backward(self.grad)
+
+        return run
+
+    def reference(self) -> Tensor:
+        """The fp32 reference output (`t5_attention_ref` on upcast inputs), computed once."""
+        if self._reference is None:
+            with torch.no_grad():
+                self._reference = t5_attention_ref(self.q.float(), self.k.float(), self.v.float(), **self.parameters())
+        return self._reference
+
+    def check(self, path: str) -> tuple[float, float] | None:
+        """`(relative RMS error, bound)` of `path` against what it must equal, or None for a path that is a
+        reference itself: T5 over all tokens against the fp32 reference, a hybrid's text rows against SDPA's."""
+        if path in ("sdpa", "ref") or (path.startswith("hybrid") and not self.text):
+            return None
+        out = self.forward(path)().float()
+        bound = (CHUNKED_RATIO if path == "chunked" else KERNEL_RATIO)[self.dtype]
+        if path.startswith("hybrid"):
+            sdpa = self.forward("sdpa")().float()
+            return relative_rms(sdpa[:, : self.text], out[:, : self.text]), bound
+        error = relative_rms(self.reference(), out) if torch.isfinite(out).all() else float("inf")
+        return error, bound
+
+
+def goal(label: str, value: float, op: str, bound: float) -> str:
+    """One goal against a quantity of this run: `label: value (goal op bound) -> met` or `NOT met`."""
+    met = value <= bound if op == "<=" else value >= bound
+    return f"{label}: {value:.3g} (goal {op} {bound:g}) -> {'met' if met else 'NOT met'}"
