@@ -31,12 +31,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from t5core.attention import param_name
 from t5core.config import T5_SETTINGS
 from trainer.config import TrainConfig
 from trainer.config_file import config_from_toml_text
 from trainer.distributed import World
-from trainer.optim import strip_wrapper_prefix
 
 __all__ = [
     "CheckpointManager",
@@ -81,30 +79,6 @@ def _rng_state() -> dict[str, Any]:
         "python": [list(item) if isinstance(item, tuple) else item for item in random.getstate()],
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached],
     }
-
-
-def _legacy_names(saved: list[str], model: nn.Module) -> dict[str, str]:
-    """Checkpoint name -> model name for the T5 parameters of checkpoints written before `T5Attention`
-    kept its fast weights in its leaf module `fast` (`....t5.w1` -> `....t5.fast.w1`, by
-    `t5core.attention.param_name`); names the model has are left alone."""
-    current = {strip_wrapper_prefix(name) for name, _ in model.named_parameters()}
-    renames = {}
-    for name in saved:
-        head, _, last = name.rpartition(".")
-        candidate = f"{head}.{param_name(last)}"
-        if name not in current and candidate in current:
-            renames[name] = candidate
-    return renames
-
-
-def _rename(model_state: dict[str, Any], optim_state: dict[str, Any], renames: dict[str, str]) -> None:
-    """Apply `_legacy_names` to a full model state dict and a full optimizer state dict, in place."""
-    for old, new in renames.items():
-        model_state[new] = model_state.pop(old)
-        if old in optim_state["state"]:
-            optim_state["state"][new] = optim_state["state"].pop(old)
-    for group in optim_state["param_groups"]:
-        group["params"] = [renames.get(name, name) for name in group["params"]]
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
@@ -268,10 +242,6 @@ class CheckpointManager:
         # the other ranks the read, but it deadlocks under FSDP2 with gloo in torch 2.14.)
         model_state = load_file(str(path / "model.safetensors"))
         optim_state = torch.load(path / "optimizer.pt", weights_only=True)
-        renames = _legacy_names(list(model_state), self.model)
-        if renames:
-            _rename(model_state, optim_state, renames)
-            logger.info("Checkpoint: %d T5 parameters renamed from before t5core's FastWeights (t5.w1)", len(renames))
         set_state_dict(
             self.model,
             self.optimizer,

@@ -7,6 +7,7 @@ in-memory store, so DDP, FSDP2 and the collectives run the same code path in bot
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -45,6 +46,16 @@ class World:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def mean_over_ranks(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Each scalar's mean over the ranks (collective: one all-reduce for all of them)."""
+        stacked = torch.stack(list(values.values()))
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+        return dict(zip(values, (stacked / self.world_size).tolist(), strict=True))
+
+    def autocast(self, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+        """Autocast to `dtype` on this rank's device (`--training.precision`); None runs in full precision."""
+        return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         """Destroy the process group if this run created it (safe to call twice)."""

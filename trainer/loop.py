@@ -9,7 +9,6 @@ of floating-point sums.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
@@ -71,13 +70,6 @@ class LoopResult:
     seconds: float
 
 
-def _autocast(parts: TrainParts) -> contextlib.AbstractContextManager:
-    dtype = parts.config.training.autocast_dtype
-    if dtype is not None:
-        return torch.autocast(parts.world.device.type, dtype=dtype)
-    return contextlib.nullcontext()
-
-
 class BatchParts(Protocol):
     """What drawing a step's batch reads (the fine-tune's `TrainParts` and the transfer's parts)."""
 
@@ -133,14 +125,6 @@ def micro_batches(
         yield micro.to(device), noise[rows].to(device), sigmas[rows].to(device)
 
 
-def _mean_over_ranks(losses: dict[str, Tensor], world: World) -> dict[str, float]:
-    """`{"loss/<name>": mean over ranks}` of each rank's `{name: loss}`."""
-    values = torch.stack(list(losses.values()))
-    dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    values = (values / world.world_size).tolist()
-    return {f"loss/{name}": value for name, value in zip(losses, values, strict=True)}
-
-
 def train_step(parts: TrainParts, step: int) -> dict[str, float]:
     """Run optimizer step `step` (0-based) over its micro-batches and return its metrics: the losses averaged
     over the global batch."""
@@ -149,7 +133,7 @@ def train_step(parts: TrainParts, step: int) -> dict[str, float]:
     means: dict[str, Tensor] = {}
     for index, (batch, noise, sigmas) in enumerate(micro_batches(parts, step)):
         with gradient_sync(parts.model, enabled=index == accumulate - 1):
-            with _autocast(parts):
+            with parts.world.autocast(parts.config.training.autocast_dtype):
                 losses = step_losses(
                     parts.model,
                     batch.latents,
@@ -166,7 +150,7 @@ def train_step(parts: TrainParts, step: int) -> dict[str, float]:
         for name, value in {"total": losses.total.detach(), **losses.terms}.items():
             means[name] = means.get(name, 0.0) + value.float() / accumulate
     grad_norm = finish_step(parts.optimizer, parts.scheduler, grad_clip=parts.config.optim.grad_clip)
-    metrics = {**_mean_over_ranks(means, parts.world), **lrs}
+    metrics = {f"loss/{name}": value for name, value in parts.world.mean_over_ranks(means).items()} | lrs
     if grad_norm is not None:
         metrics["grad_norm"] = float(grad_norm)
     return metrics

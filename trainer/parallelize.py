@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.config import TrainConfig
+from trainer.config import ParallelConfig, TrainingConfig
 from trainer.distributed import World
 
 __all__ = [
@@ -107,7 +107,9 @@ def gradient_sync(model: nn.Module, *, enabled: bool) -> Iterator[None]:
         yield
 
 
-def parallelize(student: nn.Module, teacher: nn.Module | None, *, config: TrainConfig, world: World) -> nn.Module:
+def parallelize(
+    student: nn.Module, teacher: nn.Module | None, *, training: TrainingConfig, parallel: ParallelConfig, world: World
+) -> nn.Module:
     """Put the student (training mode) and the teacher on the device, wrapped as `--training` and `--parallel` say
     (checkpointing, then DDP or FSDP2); returns the wrapped student.
 
@@ -115,10 +117,10 @@ def parallelize(student: nn.Module, teacher: nn.Module | None, *, config: TrainC
     host before the move, and FSDP2 moves each block to the device as it shards it.
     """
     student.train()
-    if config.training.gradient_checkpointing:
+    if training.gradient_checkpointing:
         apply_activation_checkpointing(student)
-    bf16 = config.training.autocast_dtype
-    if config.parallel.mode == "ddp":
+    bf16 = training.autocast_dtype
+    if parallel.mode == "ddp":
         if bf16 is not None:
             store_frozen_in(student, bf16)
         student.to(world.device)

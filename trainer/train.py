@@ -206,7 +206,7 @@ def _train_parts(
     if teacher is not None and config.loss.feature_weight > 0:
         names = [diffusers_module(name) for name in handle.modules]
         captures = AttentionCapture(handle.model, names), AttentionCapture(teacher, names)
-    model = parallelize(handle.model, teacher, config=config, world=world)
+    model = parallelize(handle.model, teacher, training=config.training, parallel=config.parallel, world=world)
     seed_everything(rank_seed(config.training.seed, world.rank))
     optimizer = build_optimizer(model, split, config.optim)
     return TrainParts(
@@ -257,7 +257,7 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     weights_file = output / config.output.name
     transfer_resume = resume_transfer(config, transfer_checkpoints, weights_file) if resume is None else None
     if resume is None:
-        check_transfer_mode(config, transfer_resume)
+        check_transfer_mode(config.transfer, config.parallel, transfer_resume)
     _check_batch_split(config, world)
     whole_plan = _plan_whole_run(config, world)
 

@@ -32,7 +32,7 @@ from t5core.hosts.diffusers import T5Handle
 from t5core.hosts.diffusers_runtime import T5AttnProcessor
 from t5core.sd3_keys import diffusers_module
 from trainer.checkpoint import CheckpointManager, Resume, RunAlreadyFinished, Start, check_resume_config, read_state
-from trainer.config import OptimConfig, TrainConfig
+from trainer.config import LossConfig, OptimConfig, ParallelConfig, TrainConfig, TransferConfig
 from trainer.config_file import config_to_toml
 from trainer.data import BatchPlan, Source
 from trainer.distributed import World
@@ -57,11 +57,11 @@ STAGE = "transfer"
 """The `stage` of the transfer's lines in `metrics.jsonl`, and its checkpoints' subfolder."""
 
 
-def transfer_sigmas(count: int, *, generator: torch.Generator, config: TrainConfig) -> Tensor:
+def transfer_sigmas(count: int, *, generator: torch.Generator, transfer: TransferConfig, loss: LossConfig) -> Tensor:
     """`(count,)` sigmas as `--transfer.timesteps` says: uniform across the schedule, or the fine-tune's density."""
-    if config.transfer.timesteps == "logit_normal":
-        return sample_sigmas(count, generator=generator, config=config.loss)
-    return shift_sigmas(torch.rand(count, generator=generator), config.loss.shift)
+    if transfer.timesteps == "logit_normal":
+        return sample_sigmas(count, generator=generator, config=loss)
+    return shift_sigmas(torch.rand(count, generator=generator), loss.shift)
 
 
 def _joined(output: Tensor | tuple[Tensor | None, ...]) -> Tensor:
@@ -174,7 +174,7 @@ def transfer_step(
 ) -> dict[str, float]:
     """Run transfer step `step` (0-based) over its micro-batches; returns its metrics, averaged over the global
     batch."""
-    sampler = functools.partial(transfer_sigmas, config=parts.config)
+    sampler = functools.partial(transfer_sigmas, transfer=parts.config.transfer, loss=parts.config.loss)
     accumulate = parts.config.training.accumulate
     patch = parts.handle.model.config.patch_size
     dtype = parts.config.training.autocast_dtype
@@ -182,20 +182,17 @@ def transfer_step(
     for batch, noise, sigmas in micro_batches(parts, step, stream=STAGE, draw_sigmas=sampler):
         x_t = add_noise(batch.latents, noise, sigmas)
         grid = (x_t.shape[-2] // patch, x_t.shape[-1] // patch)
-        autocast = torch.autocast(parts.world.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-        with torch.no_grad(), parts.handle.softmax(), capture.recording(grid, scale=1 / accumulate) as losses, autocast:
+        recording = capture.recording(grid, scale=1 / accumulate)
+        with torch.no_grad(), parts.handle.softmax(), recording as losses, parts.world.autocast(dtype):
             predict_velocity(parts.handle.model, x_t, sigmas, context=batch.context, pooled=batch.pooled)
         for name, loss in losses.items():
             means[name] = means.get(name, 0.0) + loss / accumulate
     _reduce_grads(list(parts.handle.t5_parameters()), parts.world)
     lr = optimizer.param_groups[0]["lr"]
     grad_norm = finish_step(optimizer, scheduler, grad_clip=parts.config.optim.grad_clip)
-    names = list(means)
-    values = torch.stack([means[name] for name in names])
-    dist.all_reduce(values)
-    values = (values / parts.world.world_size).tolist()
-    metrics = {"transfer/loss": sum(values) / len(values), "lr/transfer": lr}
-    metrics |= {f"transfer/{name}": value for name, value in zip(names, values, strict=True)}
+    losses = parts.world.mean_over_ranks(means)
+    metrics = {"transfer/loss": sum(losses.values()) / len(losses), "lr/transfer": lr}
+    metrics |= {f"transfer/{name}": value for name, value in losses.items()}
     if grad_norm is not None:
         metrics["grad_norm"] = float(grad_norm)
     return metrics
@@ -237,14 +234,14 @@ def resume_transfer(config: TrainConfig, checkpoints: CheckpointManager, weights
     return chosen
 
 
-def check_transfer_mode(config: TrainConfig, resume: Resume | None) -> None:
+def check_transfer_mode(transfer: TransferConfig, parallel: ParallelConfig, resume: Resume | None) -> None:
     """Refuse, before anything loads, a transfer that still has steps to run under FSDP2: it trains each
     converted module on its own, outside the block shards FSDP2 gathers. A complete transfer checkpoint
     (from a DDP run in the same folder) is fine: the FSDP2 fine-tune starts from it."""
     done = resume.state["step"] if resume is not None else 0
-    if config.parallel.mode == "fsdp2" and done < config.transfer.steps:
+    if parallel.mode == "fsdp2" and done < transfer.steps:
         raise ValueError(
-            f"--transfer.steps: {config.transfer.steps - done} attention-transfer steps are left to run, and the "
+            f"--transfer.steps: {transfer.steps - done} attention-transfer steps are left to run, and the "
             "transfer does not run under --parallel.mode fsdp2. Run it first with --parallel.mode ddp "
             "--training.steps 0 in the same --output.dir (one process or several), then run this command again: "
             "the FSDP2 fine-tune starts from the finished transfer."

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from t5core.atomic import write_atomic, write_bytes_atomic
 from t5core.hosts.diffusers import T5Handle
-from trainer.config import LossConfig, TrainConfig
+from trainer.config import DataConfig, LossConfig, TrainConfig
 from trainer.data import Batch, Source
 from trainer.distributed import World
 from trainer.inputs.prepare import encode_text, load_encoding_pipeline, read_prompts, release_device_memory
@@ -197,12 +197,12 @@ _PROMPT_TENSORS = ("context", "pooled", "empty_context", "empty_pooled")
 
 @torch.no_grad()
 def _encode(
-    prompts: tuple[str, ...], config: TrainConfig, world: World, *, files: PipelineFiles, transformer: nn.Module
+    prompts: tuple[str, ...], data: DataConfig, world: World, *, files: PipelineFiles, transformer: nn.Module
 ) -> tuple[Tensor, Tensor, float]:
     """`(context, pooled)` of the prompts and then of the empty caption, and the scheduler's shift; the text
     encoders are freed before returning."""
     pipe = load_encoding_pipeline(files, transformer, world)
-    context, pooled = encode_text(pipe, [*prompts, ""], config.data)
+    context, pooled = encode_text(pipe, [*prompts, ""], data)
     shift = float(pipe.scheduler.config.get("shift", 1.0))
     del pipe
     release_device_memory(world)
@@ -229,7 +229,7 @@ def _prompt_set(
             return saved
     # Loading may draw from the global generators; the T5 parameters built next must start as without validation.
     with torch.random.fork_rng(devices=[world.device] if world.device.type == "cuda" else []):
-        context, pooled, shift = _encode(prompts, config, world, files=files, transformer=transformer)
+        context, pooled, shift = _encode(prompts, config.data, world, files=files, transformer=transformer)
     encoded = PromptSet(prompts, context[:-1], pooled[:-1], context[-1:], pooled[-1:], shift, digest)
     if world.is_main:
         encoded.save(path)
@@ -317,7 +317,7 @@ class Validator:
         model.eval()
         metrics, teacher = {}, None
         try:
-            with self._autocast():
+            with self.world.autocast(self.config.training.autocast_dtype):
                 if step == 0:
                     with handle.softmax():
                         teacher = self._sample(model)
@@ -349,10 +349,6 @@ class Validator:
             summary.update(start_step=first, start_loss=losses[first], end_step=last, end_loss=losses[last])
         summary["grids"] = [str(path) for path in grids]
         return {REPORT_KEY: summary}
-
-    def _autocast(self):
-        dtype = self.config.training.autocast_dtype
-        return torch.autocast(self.world.device.type, dtype=dtype, enabled=dtype is not None)
 
     def _sample(self, model: nn.Module) -> Tensor:
         """Latents `(P, C, h, w)` of every prompt from its fixed noise, on the host."""

@@ -185,38 +185,6 @@ def test_deltas_are_exported_in_the_base_precision_unless_fp32_is_asked(inputs, 
     assert (outputs["base"] - outputs["fp32"]).abs().max() < 1e-2 * outputs["fp32"].abs().max()
 
 
-def test_a_checkpoint_from_before_the_fastweights_layout_resumes_to_the_same_weights(inputs, tmp_path):
-    """Checkpoints written before `T5Attention` kept its fast weights in `fast` name them `....t5.w1`:
-    resuming one renames them (model and optimizer state) instead of silently starting those from
-    their initial values, and finishes with the weights of an uninterrupted run."""
-    from safetensors.torch import load_file, save_file
-
-    flags = ("--training.steps", "2", "--checkpoint.every", "1", "--model.layers", "paper")
-    reference = load_file(str(run(config_for(inputs, tmp_path / "whole", *flags)).weights))
-    step1 = tmp_path / "whole" / "checkpoints" / "step-1"
-    legacy = tmp_path / "legacy-step-1"
-    legacy.mkdir()
-    for item in step1.iterdir():
-        (legacy / item.name).write_bytes(item.read_bytes())
-    model_state = load_file(str(step1 / "model.safetensors"))
-    assert any(".t5.fast." in name for name in model_state)
-    save_file(
-        {name.replace(".t5.fast.", ".t5."): t for name, t in model_state.items()}, str(legacy / "model.safetensors")
-    )
-    optim_state = torch.load(step1 / "optimizer.pt", weights_only=True)
-    optim_state["state"] = {name.replace(".t5.fast.", ".t5."): value for name, value in optim_state["state"].items()}
-    for group in optim_state["param_groups"]:
-        group["params"] = [name.replace(".t5.fast.", ".t5.") for name in group["params"]]
-    torch.save(optim_state, legacy / "optimizer.pt")
-
-    resumed = load_file(
-        str(run(config_for(inputs, tmp_path / "resumed", *flags, "--checkpoint.resume", str(legacy))).weights)
-    )
-    assert resumed.keys() == reference.keys()
-    for key in reference:
-        assert torch.equal(resumed[key], reference[key]), key
-
-
 def test_time_budget_stops_checkpoints_and_exports(inputs, tmp_path):
     config = config_for(
         inputs, tmp_path, "--training.steps", "50", "--training.max_minutes", "1e-6", "--output.log_every", "10"

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from t5core.config import BaseArch
     from t5core.hosts.diffusers import T5Handle
-    from trainer.config import TrainConfig
+    from trainer.config import ParallelConfig, TrainConfig
     from trainer.data import BatchPlan, Source
     from trainer.distributed import World
     from trainer.model import ParamSplit
@@ -326,10 +326,10 @@ def check_plan(plan: MemoryPlan, settings: PlanSettings, counts: ParamCounts, sh
     )
 
 
-def device_budget(config: TrainConfig, world: World) -> tuple[float | None, str | None]:
+def device_budget(parallel: ParallelConfig, world: World) -> tuple[float | None, str | None]:
     """The memory per GPU to plan for (`--parallel.gpu_memory_gib`, else the device's own; None on CPU) and
     the GPU's name (None on CPU)."""
-    budget = config.parallel.gpu_memory_gib or None
+    budget = parallel.gpu_memory_gib or None
     device_name = torch.cuda.get_device_name(world.device) if world.device.type == "cuda" else None
     if budget is None and device_name is not None:
         budget = torch.cuda.get_device_properties(world.device).total_memory / GIB
@@ -361,7 +361,7 @@ def plan_run(
         image_tokens=(latent_h // patch) * (latent_w // patch),
         text_tokens=sample.context.shape[1],
     )
-    budget, device_name = device_budget(config, world)
+    budget, device_name = device_budget(config.parallel, world)
     counts = count_parameters(handle, split)
     plan, settings = plan_training(
         config,

@@ -386,7 +386,7 @@ def plan_whole_run(config: TrainConfig, world: World) -> RunPlan | None:
     from trainer.inputs.sources import find_text_parts
     from trainer.model import base_files
 
-    budget, device_name = device_budget(config, world)
+    budget, device_name = device_budget(config.parallel, world)
     transformer = base_files(config.model).read_config()
     counts, handle = _meta_counts(transformer, config)
     patch, data, training = transformer["patch_size"], config.data, config.training

@@ -63,26 +63,25 @@ def _rows(pairs: list[tuple[str, object]]) -> list[str]:
     return ["| setting | value |", "|---|---|", *(f"| {name} | {_value(value)} |" for name, value in pairs)]
 
 
-def _base_section(config: TrainConfig, report: Mapping[str, Any], preset: ModelPreset | None) -> list[str]:
-    what = preset.description if preset is not None else f"`{config.model.base}`"
-    lines = ["## Base model", "", f"Trained from {what} (`--model.base {config.model.base}`).", ""]
+def _base_section(model: ModelConfig, report: Mapping[str, Any], preset: ModelPreset | None) -> list[str]:
+    what = preset.description if preset is not None else f"`{model.base}`"
+    lines = ["## Base model", "", f"Trained from {what} (`--model.base {model.base}`).", ""]
     digests = report.get("base_sha256") or {}
     if digests:
         lines += ["| base file | sha256 |", "|---|---|", *(f"| `{name}` | `{sha}` |" for name, sha in digests.items())]
     if report.get("parameters", {}).get("inherited"):
-        form = f"rank-{config.model.rank} deltas" if config.model.rank else "full deltas"
+        form = f"rank-{model.rank} deltas" if model.rank else "full deltas"
         lines += [
             "",
             f"The file also holds the changes of the inherited weights that trained ({form}, `--model.trainable "
-            f"{config.model.trainable}`), which both hosts add to the model they are given, and the base's "
+            f"{model.trainable}`), which both hosts add to the model they are given, and the base's "
             "fingerprint: it also serves fine-tunes of this base, with a warning naming both fingerprints.",
         ]
     return lines
 
 
-def _conversion_section(config: TrainConfig, report: Mapping[str, Any]) -> list[str]:
+def _conversion_section(model: ModelConfig, report: Mapping[str, Any]) -> list[str]:
     layers = list(report.get("converted_layers", []))
-    model = config.model
     return [
         "## Conversion",
         "",
@@ -208,8 +207,8 @@ def model_card(config: TrainConfig, report: Mapping[str, Any], *, weights_name: 
     preset = get_preset(config.model.base)
     sections = (
         title,
-        _base_section(config, report, preset),
-        _conversion_section(config, report),
+        _base_section(config.model, report, preset),
+        _conversion_section(config.model, report),
         _recipe_section(config, report),
         _training_section(report),
         _validation_section(report, preset),
