@@ -6,53 +6,36 @@ The measurement, one run and one JSON (written after each size, so a stopped run
     python -m benchmarks.bench_comfy_step --device cuda --dtype bf16 --sizes 1024 --compose 1024 2048 \
         --warmup 2 --reps 5 --block-reps 3  # the GPU row: benchmarks/gpu_check.sh, stage step
 
-On 2 CPU cores in fp32 the first command, and each of the two in "Rounds" below, runs for about an
-hour; the fp32 model holds about 10 GB.
-`--plan` prints which kinds of block each path adds up, without running anything; a smoke test at
-toy size takes under a minute: `--blocks 2 --sizes 64 --compose 64 --warmup 1 --reps 2`.
+On 2 CPU cores in fp32 the first command, and each of the two below, runs for about an hour; the fp32
+model holds about 10 GB. `--plan` prints which kinds of block each path adds up, without running
+anything; a smoke test at toy size takes under a minute: `--blocks 2 --sizes 64 --compose 64 --warmup
+1 --reps 2`.
 
-The model is ComfyUI's own MMDiT with SD3.5 Medium's architecture (24 joint blocks, 24 heads x 64,
-MMDiT-X `attn2` on blocks 0-12, q/k RMSNorm) and seeded random weights; `--blocks N` keeps only the
-first N blocks, for smoke tests. A step is `nodes.common_ksampler` with one euler step and CFG 4.5:
-cond and uncond (154 text tokens each), which ComfyUI runs as one model call of batch 2, or as two of
-batch 1 where it judges memory short (2048x2048 on this CPU); the JSON records the calls of every step,
-and a composed step counts each block once per call. Softmax is ComfyUI's attention forced to PyTorch
-SDPA. Each T5 path is the output of the `T5Linearize` node, loaded into ComfyUI as a custom node pack,
-given a file of seeded random T5 modules for its layer spec: `paper`, `all`, `<spec>-hybrid` for the
-same modules with `T5Config.joint_mode = "hybrid"` (exact softmax wherever text takes part, T5 between
-image tokens; only joint `attn` modules change), and a trailing `-na` (`all-hybrid-na`) for the 5x5
-neighbourhood softmax blended into every converted module's image rows (`T5Config.neighborhood = 5`;
-each row records the windows of the T5 modules its step ran). Before timing, each path's whole step must give
-finite latents that differ from softmax's, and each timed block finite outputs, else its row says FAIL.
+The model is ComfyUI's own MMDiT with SD3.5 Medium's architecture and seeded random weights (`--blocks
+N` keeps the first N joint blocks); a step is one euler step with CFG 4.5, which ComfyUI runs as one
+model call of batch 2 or, where it judges memory short, two of batch 1 (the JSON records the calls).
+Softmax is ComfyUI's attention forced to SDPA; each T5 path is the `T5Linearize` node's output for a
+file of seeded random T5 modules: a layer spec (`paper`, `all`), `<spec>-hybrid` for hybrid joint
+attention, and a trailing `-na` for the 5x5 neighbourhood blend (`benchmarks.step_harness`). Before
+timing, each path's step must give finite latents that differ from softmax's, and each timed block
+finite outputs, else its row says FAIL.
 
-Two ways to get a step's time, and the table says which each row used:
-
-* measured (`--sizes`): the whole step, timed (`benchmarks.step_harness.WholeRun`).
-* composed (`--compose`): `rest + sum over the blocks of its kind's time` (`benchmarks.step_compose`).
-  Each path's kinds of block are timed in that path's own converted model, inside a real sampling
-  step whose other blocks pass their inputs through (ComfyUI's `patches_replace["dit"]` hook), so a
-  timed block sees the hidden states, 154 text tokens and conditioning vector of the real step. The
-  rest is that step with every block passing through. At a size given to both, composed / measured is
-  printed: the composition is trusted at sizes too slow to measure whole only if it is within 5 %.
-
-Rounds: after each path's warm-up steps, `--reps` rounds each time every path once in turn, its whole
-step and right after it its composed parts, and each time is the median over the rounds. On a shared or
-throttled machine (whose throughput on one fixed matmul can vary twofold within a minute) a slow
-stretch then hits every path and both methods alike, not only the one being timed. `--block-reps`
-times each kind of block that many times per round (a block at 1024x1024 takes seconds, short enough
-for such a stretch to move it), and each row
-also gives composed / measured round by round, each round's composed step from its own block times
-against the whole step timed just before them. `--suffix` names the JSON apart, so that a
-composition check and a composed-only size can be kept beside the main table:
+A step's time is measured (`--sizes`: the whole step timed, `step_harness.WholeRun`) or composed
+(`--compose`: the rest of the step plus one timed block of each kind, `step_harness.ComposedRun` and
+`benchmarks.step_compose`). Where a size is given to both, composed / measured checks the composition:
+composed times are trusted at sizes too slow to measure whole only within 5 %. After each path's
+warm-up, `--reps` rounds time every path in turn, its whole step and right after it its composed parts
+(`--block-reps` runs of each block per round), so a slow stretch of a shared machine hits every path
+and both methods alike; each row also gives composed / measured round by round. `--suffix` names the
+JSON apart, so that a composition check and a composed-only size can be kept beside the main table:
 
     python -m benchmarks.bench_comfy_step --sizes 1024 --compose 1024 --specs all --reps 3 --block-reps 3 \
         --suffix _composition
     python -m benchmarks.bench_comfy_step --sizes --compose 2048 --specs paper paper-na all all-hybrid \
         all-hybrid-na --reps 2 --suffix _2048
 
-Attention share is the time inside attention calls over the step time, and peak memory is above what
-the process held before the step (model, T5 modules, inputs); `benchmarks.step_probes` says how both
-are measured. Needs a ComfyUI tree (`--comfyui`, else the one testing/comfy_env.py finds). Writes
+Attention share and peak memory are measured as `benchmarks.step_probes` says. Needs a ComfyUI tree
+(`--comfyui`, else the one testing/comfy_env.py finds). Writes
 `benchmarks/results/comfy_step_whole_<device><suffix>.json`.
 """
 
@@ -210,26 +193,16 @@ def main() -> None:
 def _save(args, config: dict, rows: list[dict[str, Any]], *, comfyui: str, calls: set, memory: PeakMemory) -> None:
     """Write and print the rows so far: after each size's section, so a run stopped hours in keeps what it
     measured."""
-    meta = {
-        "blocks": args.blocks,
-        "depth": config["num_layers"],
-        "dtype": args.dtype,
-        "comfyui": comfyui,
-        "text_tokens": TEXT_TOKENS,
-        "cfg": CFG,
-        "model_calls_per_step": sorted(calls),
-        "softmax": "sdpa",
-        "measured_sizes": args.sizes,
-        "composed_sizes": args.compose,
-        "warmup": args.warmup,
-        "reps": args.reps,
-        "block_reps": args.block_reps,
-        "attention_method": "AttentionClock (benchmarks/step_probes.py): optimized_attention_override and "
-        f"T5Attention forward hooks, {'CUDA events' if memory.cuda else 'perf_counter'}",
-        "memory_method": memory.method,
-        "composition_goal": f"composed within {COMPOSITION_GOAL:.0%} of measured",
-        "composition_tolerance": COMPOSITION_GOAL,
-    }
+    meta = {"blocks": args.blocks, "depth": config["num_layers"], "dtype": args.dtype, "comfyui": comfyui}
+    meta.update(text_tokens=TEXT_TOKENS, cfg=CFG, model_calls_per_step=sorted(calls), softmax="sdpa")
+    meta.update(measured_sizes=args.sizes, composed_sizes=args.compose, warmup=args.warmup, reps=args.reps)
+    meta["block_reps"] = args.block_reps
+    meta["attention_method"] = (
+        "AttentionClock (benchmarks/step_probes.py): optimized_attention_override and T5Attention forward "
+        f"hooks, {'CUDA events' if memory.cuda else 'perf_counter'}"
+    )
+    meta.update(memory_method=memory.method, composition_goal=f"composed within {COMPOSITION_GOAL:.0%} of measured")
+    meta["composition_tolerance"] = COMPOSITION_GOAL
     publish(f"comfy_step_whole_{args.device}{args.suffix}", rows, meta, table=table, directory=args.results_dir)
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_trainer_memory import PUBLISHED_PARAMS, meta_model
+from benchmarks.bench_trainer_memory import PUBLISHED_PARAMS, meta_model, parameter_check
 from benchmarks.timing import header_line, markdown_table, publish
 from t5core.config import T5Config
 from t5core.deltas import sd3_deltas
@@ -169,9 +169,7 @@ def main() -> None:
     rows = []
     for name, (build, dtype, base_bytes) in models.items():
         model = build()
-        total = sum(p.numel() for p in model.parameters())
-        if name in PUBLISHED_PARAMS and total != PUBLISHED_PARAMS[name]:
-            failure = f"FAIL: {total:,} parameters, the released model has {PUBLISHED_PARAMS[name]:,}"
+        if name in PUBLISHED_PARAMS and (failure := parameter_check(name, model)):
             rows.append({"model": name, "status": failure})
             continue
         rows += [{"model": name, "base_dtype": dtype, **row} for row in file_sizes(model, base_bytes=base_bytes)]

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.bench_trainer_memory import CLIP_TOKENS, T5_TOKENS, VAE_FACTOR, run_shape
 from benchmarks.step_probes import reset_peak_resident, status_kib
 from benchmarks.timing import header_line, markdown_table, publish
 from trainer.inputs.sources import PARTS_CONFIG_DIR
@@ -64,9 +65,8 @@ TITLE = "Memory plan vs a measured step"
 RECIPE = Path(__file__).resolve().parent.parent / "trainer" / "configs" / "sd35_medium_24gb.toml"
 TOLERANCE = 0.15
 """The plan must come within 15% of the measured peak."""
-TEXT_TOKENS = 77 + 256
+TEXT_TOKENS = CLIP_TOKENS + T5_TOKENS
 """SD3's CLIP + T5 context at the default `--data.max_sequence_length`."""
-VAE_FACTOR = 8
 VAE_IMAGES = 2
 """Images in the measured VAE call."""
 CAPTIONS = 16
@@ -74,8 +74,6 @@ CAPTIONS = 16
 T5_LAYERS = 2
 """T5-XXL encoder layers built for the text phase (of 24): the plan is linear in its weights, checked in full
 by the CLIP encoders."""
-T5_TOKENS = 256
-"""T5 tokens per caption (`--data.max_sequence_length`'s default)."""
 GENERATED = 2
 """Prompts in the measured guided generation call (twice as many samples)."""
 MMAP_THRESHOLD = str(128 * 1024)
@@ -173,14 +171,7 @@ def _measure(resolution: int) -> dict:
                 peak_gib=_gib_since(baseline), seconds=time.perf_counter() - start, loss=loss
             )
     world.close()
-    patch = arch["patch_size"]
-    shape = RunShape(
-        batch_per_rank=1,
-        image_tokens=(latent // patch) ** 2,
-        text_tokens=TEXT_TOKENS,
-        hidden=arch["num_attention_heads"] * arch["attention_head_dim"],
-        depth=arch["num_layers"],
-    )
+    shape = run_shape(arch, resolution, batch=1)
     return {**result, "counts": _fields_of(counts), "shape": _fields_of(shape), "mode": config.parallel.mode}
 
 
@@ -192,31 +183,23 @@ def _measure_preparation(phase: str, resolution: int) -> dict:
     reset_peak_resident()
     torch.manual_seed(0)
     with torch.no_grad():
-        if phase == "vae":
-            inputs = _vae_phase(resolution)
-        elif phase == "decode":
-            inputs = _decode_phase(resolution)
-        elif phase == "text":
-            inputs = _text_phase()
+        if phase in ("vae", "decode"):
+            inputs = _vae_phase(resolution, decode=phase == "decode")
         else:
-            inputs = _generation_phase(resolution)
+            inputs = _text_phase() if phase == "text" else _generation_phase(resolution)
     return {"baseline_gib": baseline * 1024 / GIB, "peak_gib": _gib_since(baseline), **inputs}
 
 
-def _vae_phase(resolution: int) -> dict:
-    from diffusers import AutoencoderKL
-
-    vae = AutoencoderKL.from_config(json.loads((PARTS_CONFIG_DIR / "vae" / "config.json").read_text())).eval()
-    vae.encode(torch.randn(VAE_IMAGES, 3, resolution, resolution))
-    return {"vae_params": sum(p.numel() for p in vae.parameters()), "vae_width": vae.config.block_out_channels[0]}
-
-
-def _decode_phase(resolution: int) -> dict:
+def _vae_phase(resolution: int, *, decode: bool) -> dict:
+    """SD3's VAE encoding `VAE_IMAGES` images, or decoding `DECODE_BATCH` latents, at `resolution` px."""
     from diffusers import AutoencoderKL
 
     vae = AutoencoderKL.from_config(json.loads((PARTS_CONFIG_DIR / "vae" / "config.json").read_text())).eval()
     latent = resolution // VAE_FACTOR
-    vae.decode(torch.randn(DECODE_BATCH, vae.config.latent_channels, latent, latent))
+    if decode:
+        vae.decode(torch.randn(DECODE_BATCH, vae.config.latent_channels, latent, latent))
+    else:
+        vae.encode(torch.randn(VAE_IMAGES, 3, resolution, resolution))
     return {"vae_params": sum(p.numel() for p in vae.parameters()), "vae_width": vae.config.block_out_channels[0]}
 
 
@@ -258,19 +241,10 @@ def _generation_phase(resolution: int) -> dict:
         pooled_projections=torch.randn(samples, arch["pooled_projection_dim"]),
         timestep=torch.full((samples,), 500.0),
     )
-    patch = arch["patch_size"]
     return {
         "weights": sum(p.numel() for p in model.parameters()),
         "buffers": sum(b.numel() for b in model.buffers()),
-        "shape": _fields_of(
-            RunShape(
-                batch_per_rank=samples,
-                image_tokens=(latent // patch) ** 2,
-                text_tokens=TEXT_TOKENS,
-                hidden=arch["num_attention_heads"] * arch["attention_head_dim"],
-                depth=arch["num_layers"],
-            )
-        ),
+        "shape": _fields_of(run_shape(arch, resolution, batch=samples)),
     }
 
 

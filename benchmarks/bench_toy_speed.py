@@ -19,11 +19,13 @@ import argparse
 import copy
 import logging
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.timing import (
+    RESULTS_DIR,
     fmt_ms,
     fmt_x,
     header_line,
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="Euler steps per sampling run (with CFG)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--reps", type=int, default=10, help="timed rounds (softmax then T5 in each)")
-    parser.add_argument("--json", default="bench_toy_speed")
+    parser.add_argument("--json", default="bench_toy_speed", help="the result file's name")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON goes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         row.update(softmax=summarize(times["softmax"]), t5=summarize(times["t5"]), speedup_vs_softmax=ratio)
         rows.append({**row, "speedup_p20": ratio_p20, "speedup_p80": ratio_p80, "times_ms": times})
     meta = {"steps": args.steps, "batch": args.batch, "rounds": args.reps, "layers": list(handle.config.layers)}
-    publish(args.json, rows, meta, table=table)
+    publish(args.json, rows, meta, table=table, directory=args.results_dir)
     return 0
 
 

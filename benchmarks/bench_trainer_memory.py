@@ -46,6 +46,23 @@ def meta_model(name: str):
         return SD3Transformer2DModel.from_config(config)
 
 
+def parameter_check(name: str, model) -> str | None:
+    """None when a released model `name` has its published parameter count, else a FAIL saying both."""
+    total = sum(p.numel() for p in model.parameters())
+    published = PUBLISHED_PARAMS[name]
+    return None if total == published else f"FAIL: {total:,} parameters, the released model has {published:,}"
+
+
+def run_shape(config, resolution: int, batch: int) -> RunShape:
+    """The shape of one step of an SD3 transformer (its `config`) at `resolution` px with SD3's text tokens."""
+    side = resolution // (VAE_FACTOR * config["patch_size"])
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    tokens = CLIP_TOKENS + T5_TOKENS
+    return RunShape(
+        batch_per_rank=batch, image_tokens=side**2, text_tokens=tokens, hidden=hidden, depth=config["num_layers"]
+    )
+
+
 def _counts(model, trainable: str) -> tuple[ParamCounts, ParamCounts]:
     """Counts for the T5 fine-tune (`paper` layers) and for the same fine-tune without the T5 parameters."""
     handle = linearize(model, layers="paper")
@@ -69,20 +86,13 @@ def main() -> None:
 
     print(header_line())
     rows = []
-    for name, published in PUBLISHED_PARAMS.items():
+    for name in PUBLISHED_PARAMS:
         model = meta_model(name)
-        total = sum(p.numel() for p in model.parameters())
-        if total != published:
-            rows.append(dict(model=name, status=f"FAIL: {total:,} parameters, the released model has {published:,}"))
+        if failure := parameter_check(name, model):
+            rows.append(dict(model=name, status=failure))
             continue
-        side = args.resolution // (VAE_FACTOR * model.config.patch_size)
-        shape = RunShape(
-            batch_per_rank=args.batch,
-            image_tokens=side * side,
-            text_tokens=CLIP_TOKENS + T5_TOKENS,
-            hidden=model.config.num_attention_heads * model.config.attention_head_dim,
-            depth=model.config.num_layers,
-        )
+        shape = run_shape(model.config, args.resolution, args.batch)
+        total = sum(p.numel() for p in model.parameters())
         for trainable in ("all", "attention"):
             # The softmax baseline fine-tunes the same weights of the unconverted model.
             t5_counts, softmax_counts = _counts(model, trainable)
