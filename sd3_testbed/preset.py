@@ -1,5 +1,8 @@
 """The toy as a trainer model preset (`--model.base toy`): its model, data source, evaluation (ToyEval)
-and model-card section.
+and model-card section. Two ablations of the toy are presets of their own, the same toy with a changed
+student (`sd3_testbed.baselines`): `toy-linear` runs plain elu+1 linear attention on the inherited q/k/v in
+place of T5, and `toy-no-inherit` re-initialises the converted modules' inherited attention weights, which
+then train at the new parameters' rate.
 
 Importing this module registers the preset (`trainer.presets`); the trainer imports it the first
 time it looks the name up.
@@ -9,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +20,16 @@ import torch
 from torch import Tensor, nn
 
 from sd3_testbed import data as toy_data
+from sd3_testbed.baselines import PlainLinearAttention, reinit_inherited
 from sd3_testbed.model import TOY_CONFIG, TOY_SHIFT, WEIGHTS_FILE, load_toy_base
 from t5core.atomic import write_text_atomic
+from t5core.hosts.diffusers import T5Handle
 from trainer.config import DataConfig, TrainConfig
 from trainer.data import Batch
 from trainer.distributed import World
 from trainer.presets import ModelPreset, register_preset
 
-__all__ = ["TOY_PRESET", "ToySource", "card_section", "evaluate_toy"]
+__all__ = ["TOY_LINEAR_PRESET", "TOY_NO_INHERIT_PRESET", "TOY_PRESET", "ToySource", "card_section", "evaluate_toy"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,18 +122,47 @@ def _source(data: DataConfig) -> ToySource:
     return ToySource(data.toy_samples, size=size)
 
 
-TOY_PRESET = register_preset(
-    ModelPreset(
-        name="toy",
-        description="the built-in toy SD3.5-Medium-like model",
-        data_source="toy",
-        load_base=lambda: load_toy_base().requires_grad_(True),
-        weight_files=lambda: {WEIGHTS_FILE.name: WEIGHTS_FILE},
-        build_source=_source,
-        evaluate=evaluate_toy,
-        evaluation_name="toy_eval",
-        card_section=card_section,
-        card_note=f"The toy model samples with `ModelSamplingSD3` shift {TOY_SHIFT} and its own captions; "
-        "see docs/toy.md.",
+def _plain_linear(handle: T5Handle, config: TrainConfig) -> list[nn.Parameter]:
+    """Plain linear attention in place of each converted module's T5 computation. The T5 modules stay in the
+    model, unused, so their parameters get no gradient and the run still exports a loadable file (with them
+    as initialised: the file is a record of the baseline's inherited-weight deltas, not a T5 model to use)."""
+    for module in handle.modules.values():
+        module.forward = PlainLinearAttention().forward
+    return []
+
+
+def _reinit_inherited(handle: T5Handle, config: TrainConfig) -> list[nn.Parameter]:
+    """The converted modules' inherited attention weights re-initialised (from the run's seed); they train as new."""
+    return reinit_inherited(handle.model, tuple(handle.modules), seed=config.training.seed)
+
+
+def _toy_preset(
+    name: str, description: str, adapt_student: Callable[[T5Handle, TrainConfig], list[nn.Parameter]] | None = None
+) -> ModelPreset:
+    return register_preset(
+        ModelPreset(
+            name=name,
+            description=description,
+            data_source="toy",
+            load_base=lambda: load_toy_base().requires_grad_(True),
+            weight_files=lambda: {WEIGHTS_FILE.name: WEIGHTS_FILE},
+            build_source=_source,
+            evaluate=evaluate_toy,
+            evaluation_name="toy_eval",
+            card_section=card_section,
+            card_note=f"The toy model samples with `ModelSamplingSD3` shift {TOY_SHIFT} and its own captions; "
+            "see docs/toy.md.",
+            adapt_student=adapt_student,
+        )
     )
+
+
+TOY_PRESET = _toy_preset("toy", "the built-in toy SD3.5-Medium-like model")
+TOY_LINEAR_PRESET = _toy_preset(
+    "toy-linear", "the built-in toy with plain elu+1 linear attention in place of T5 (a baseline)", _plain_linear
+)
+TOY_NO_INHERIT_PRESET = _toy_preset(
+    "toy-no-inherit",
+    "the built-in toy with re-initialised inherited attention weights (an ablation)",
+    _reinit_inherited,
 )

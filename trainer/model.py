@@ -295,22 +295,26 @@ def _dead_parameters(handle: T5Handle) -> set[str]:
     return {last + name for name in ("add_q_proj.weight", "add_q_proj.bias", "norm_added_q.weight")}
 
 
-def split_parameters(handle: T5Handle, model: ModelConfig, optim: OptimConfig) -> ParamSplit:
+def split_parameters(
+    handle: T5Handle, model: ModelConfig, optim: OptimConfig, *, adapted: Iterable[nn.Parameter] = ()
+) -> ParamSplit:
     """Decide what trains, and set `requires_grad` accordingly on the converted model.
 
-    `--model.trainable t5` trains the new parameters only; `attention` adds the inherited
-    projections and q/k norms of the converted modules; `all` the whole transformer.
-    `--optim.inherited_lr_mult 0` freezes every inherited weight. The last block's dead text-query
-    path is always frozen, so DDP needs no unused-parameter search.
+    The new parameters are T5's and those in `adapted` (a preset's re-initialised weights). `--model.trainable t5`
+    trains the new parameters only; `attention` adds the inherited projections and q/k norms of the converted
+    modules; `all` the whole transformer. `--optim.inherited_lr_mult 0` freezes every inherited weight. The last
+    block's dead text-query path is always frozen, so DDP needs no unused-parameter search.
     """
-    new_ids = {id(p) for p in handle.t5_parameters()}
+    new_ids = {id(p) for p in (*handle.t5_parameters(), *adapted)}
     converted = tuple(diffusers_module(name) + "." for name in handle.modules)
     dead = _dead_parameters(handle)
     new, inherited, frozen = [], [], []
     for name, param in handle.model.named_parameters():
-        if id(param) in new_ids:
+        if name in dead:
+            role = frozen
+        elif id(param) in new_ids:
             role = new
-        elif optim.inherited_lr_mult == 0 or model.trainable == "t5" or name in dead:
+        elif optim.inherited_lr_mult == 0 or model.trainable == "t5":
             role = frozen
         elif model.trainable == "all" or name.startswith(converted):
             role = inherited
@@ -350,12 +354,14 @@ def base_fingerprint(model: nn.Module, arch: BaseArch) -> str:
 
 
 def build_model(base: nn.Module, config: TrainConfig) -> tuple[T5Handle, ParamSplit]:
-    """Convert the base as `--model` says and decide what trains (with low-rank deltas under
-    `--model.rank`); refuses a run where nothing would."""
+    """Convert the base as `--model` says, let a model preset adapt the student (`ModelPreset.adapt_student`) and
+    decide what trains (with low-rank deltas under `--model.rank`); refuses a run where nothing would."""
     handle = build_student(base, config.model)
     if config.loss.feature_weight > 0 and not handle.modules:
         raise ValueError("--loss.feature_weight aligns converted modules, but --model.layers converts none.")
-    split = split_parameters(handle, config.model, config.optim)
+    preset = get_preset(config.model.base)
+    adapted = preset.adapt_student(handle, config) if preset is not None and preset.adapt_student else []
+    split = split_parameters(handle, config.model, config.optim, adapted=adapted)
     if config.model.rank and split.inherited:
         split = _with_low_rank(handle, split, config.model)
     if not split.new and not split.inherited:

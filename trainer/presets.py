@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
+    from t5core.hosts.diffusers import T5Handle
     from trainer.config import DataConfig, TrainConfig
     from trainer.data import Source
     from trainer.distributed import World
@@ -50,6 +51,9 @@ class ModelPreset:
         card_section (`Callable[[Mapping[str, Any]], list[str]]`): the model card's validation text
             (markdown lines) for those numbers.
         card_note (`str`): a closing line for the model card (how to sample it).
+        adapt_student (`Callable[[T5Handle, TrainConfig], list[nn.Parameter]]`, *optional*): what the preset
+            changes in the converted student before its parameters are split (a baseline in place of T5,
+            re-initialised weights) -> the parameters, besides T5's, that train as new ones.
     """
 
     name: str
@@ -62,10 +66,11 @@ class ModelPreset:
     evaluation_name: str
     card_section: Callable[[Mapping[str, Any]], list[str]]
     card_note: str = ""
+    adapt_student: Callable[[T5Handle, TrainConfig], list[nn.Parameter]] | None = None
 
 
 _REGISTRY: dict[str, ModelPreset] = {}
-_BUILTIN: dict[str, str] = {"toy": "sd3_testbed.preset"}
+_BUILTIN: dict[str, str] = dict.fromkeys(("toy", "toy-linear", "toy-no-inherit"), "sd3_testbed.preset")
 """Built-in preset name -> the module that registers it when imported."""
 
 

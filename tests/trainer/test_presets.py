@@ -68,3 +68,37 @@ def test_toy_evaluation_samples_an_fp32_copy_whenever_the_config_autocasts(monke
     with pytest.raises(InterruptedError):
         preset.evaluate_toy(student, config, tmp_path, world)
     assert sampled[0].weight.dtype == torch.float32 and student.weight.dtype == torch.bfloat16
+
+
+def _built(base: str):
+    """The toy converted and split by the trainer's model step for `--model.base base`, from seed 0."""
+    from trainer.model import build_model, load_base
+    from trainer.seeds import seed_everything
+
+    config = parse_args(["--model.base", base])
+    seed_everything(0)
+    return build_model(load_base(config.model), config)
+
+
+def test_toy_linear_runs_plain_linear_attention_in_place_of_every_t5_computation():
+    from sd3_testbed.baselines import PlainLinearAttention
+
+    handle, split = _built("toy-linear")
+    modules = list(handle.modules.values())
+    assert modules and all(isinstance(module.forward.__self__, PlainLinearAttention) for module in modules)
+    q, k, v = torch.randn(3, 1, 8, 2, 4).unbind(0)
+    assert torch.equal(modules[0](q, k, v, grid=(2, 4)), PlainLinearAttention()(q, k, v))
+    assert split == _built("toy")[1]  # the unused T5 parameters stay in the split, and get no gradient
+
+
+def test_toy_no_inherit_reinitialises_the_converted_projections_which_train_as_new():
+    handle, split = _built("toy-no-inherit")
+    _, reference = _built("toy")
+    moved = set(split.new) - set(reference.new)
+    assert moved and all(".attn" in name for name in moved)
+    assert moved == set(reference.inherited) - set(split.inherited)
+    assert set(split.frozen) == set(reference.frozen)  # the dead text-query path stays frozen
+    base = dict(get_preset("toy").load_base().named_parameters())
+    params = dict(handle.model.named_parameters())
+    weights = [name for name in moved if name.endswith("to_q.weight")]
+    assert weights and not any(torch.equal(params[name], base[name]) for name in weights)
