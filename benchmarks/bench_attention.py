@@ -3,37 +3,36 @@
     python -m benchmarks.bench_attention                                 # 64x64 and 128x128, sdpa,ref,chunked
     python -m benchmarks.bench_attention --grids 32x32 64x64 --chunk-sweep 512 1024 2048
     python -m benchmarks.bench_attention --paths sdpa,t5,hybrid,hybrid_na --text 154 --backward --suffix _hybrid
-    python -m benchmarks.bench_attention --paths sdpa,t5,triton --backward --batch 2 --text 333 --suffix _kernels
+    python -m benchmarks.bench_attention --paths sdpa,t5,triton --backward --batch 2 --text 333 --suffix _kernels \
+        --model-step 1024 2048                                           # the kernels: benchmarks/gpu_check.sh
 
-Paths (`--paths`, `benchmarks.cases.PATHS`): `sdpa`, `ref`, `chunked`, `t5`, `hybrid`, `hybrid_na` and
-`triton`, all on one `benchmarks.cases.AttentionCase`: seeded q, k, v for a square or `HxW` image grid
-with `--text` text tokens first, and `T5Attention`'s initial parameters. On CUDA every SDPA call is
-pinned to FlashAttention. Each grid is checked first (`AttentionCase.check`: T5 over all tokens
-against the fp32 reference, a hybrid's text rows against SDPA's); a failure makes the row FAIL and
-nothing is timed. Without a usable Triton the `triton` path is left out and the row says why
+Every path of `--paths` (`benchmarks.cases.PATHS`) runs on one `benchmarks.cases.AttentionCase` per
+grid (`HxW` or a square number of image tokens, `--text` text tokens first); on CUDA every SDPA call is
+pinned to FlashAttention. Each grid is checked first (`AttentionCase.check`); a failure makes the row
+FAIL and nothing is timed. Without a usable Triton the `triton` path is left out and the row says why
 (TRITON_INTERPRET=1 runs the kernels slowly on CPU).
 
 Time: after one warm-up call of each path, `--rounds` rounds each time every path in turn (the median
-of two calls, `benchmarks.timing.time_in_turn`), and a path's time is the median over the rounds
-(20 / 80 % quantiles beside it); the forward without autograd, and with `--backward` also forward +
-backward. On a shared machine the paths so see the same load; the load average is recorded.
-Speedup = SDPA time / path time (> 1: T5 is faster); growth = time at this grid / time at the
-previous one.
+of two calls, `benchmarks.timing.time_in_turn`), so on a shared machine the paths see the same load;
+a path's time is the median over the rounds, of the forward without autograd and with `--backward`
+also of forward + backward. Speedup = SDPA time / path time; growth = time over the previous grid's.
 
-Peak memory: the most memory one forward holds at once above its inputs and output (MiB), as
-`testing.peak_memory.peak_memory_mib` measures it: CUDA's allocator peak, or on CPU the profiler's
-record of every allocation, which is not disturbed by load. Resident memory (CPU, `--resident`
-paths): the rise of the process's peak resident set (`VmHWM`) that one forward causes, measured in
-two child processes that build the same inputs: one runs the call, the other only fills an output of
-the same size. Unlike the peak above, it includes what the allocator keeps or fragments, thread
-pools and the code the call loads. `VmHWM`, not `ru_maxrss`: Linux carries `ru_maxrss` across a
-spawned child's `exec`, so both children would report this process's resident set at the fork.
+Memory: the peak of one forward above its inputs and output (`testing.peak_memory.peak_memory_mib`,
+not disturbed by load) and, on CPU for the `--resident` paths, how far one forward raises the peak
+resident set (`VmHWM`) of a child process that holds the same inputs, against a child that only fills
+an output of the same size. It includes what the allocator keeps, thread pools and loaded code. It
+reads `VmHWM`, not `ru_maxrss`: Linux carries `ru_maxrss` across a spawned child's `exec`.
 
 With `triton`, the kernels' bandwidth: their minimum HBM traffic (k read twice, q and v once, the output
-written once) over their time, against the GPU's peak (`--peak-gbs`, else a table of GPUs) and a
+written once) over their time, beside the GPU's peak (`--peak-gbs`, else a table of GPUs) and a
 measured device copy. `--chunk-sweep` times the `chunked` path at the largest grid for each chunk size
-(the choice of `t5core.ttt_chunked.DEFAULT_CHUNK_TOKENS`). Goals are checked at the largest grid.
-Writes `benchmarks/results/attention_<device><suffix>.json`.
+(the choice of `t5core.ttt_chunked.DEFAULT_CHUNK_TOKENS`). `GOALS` are checked at the largest grid.
+
+`--model-step RES ...` also times the whole transformer at those resolutions: a randomly initialised SD3.5
+Medium `SD3Transformer2DModel` (bf16 on CUDA; on CPU a 2-block cut in fp32), one no-grad forward at
+`--batch` with `--text` tokens, softmax against the model converted with `paper` and with `all` on the
+torch backend and, where the kernels can run, the Triton one, whose output must match the torch
+backend's (`MODEL_RATIO`) before its row counts. Writes `benchmarks/results/attention_<device><suffix>.json`.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from typing import Any
 
 import torch
 
+import t5kernels
 from benchmarks.cases import PATHS, AttentionCase, add_case_arguments, goal, grid_of, softmax_backend
 from benchmarks.step_probes import peak_resident_mib
 from benchmarks.timing import (
@@ -59,13 +59,19 @@ from benchmarks.timing import (
     time_in_turn,
 )
 from t5core.ttt_chunked import DEFAULT_CHUNK_TOKENS
+from testing.models import sd35_medium_config
 from testing.peak_memory import peak_memory_mib
+from testing.tolerances import relative_rms
 
 TITLE = "T5 attention paths vs SDPA"
 PASSES = {"fwd": "forward", "fwdbwd": "forward + backward"}
 MEMORY = ("peak", "resident")
 # HBM peak (GB/s, vendor specs) by device-name fragment; --peak-gbs overrides.
 PEAK_GBS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100": 3350.0, "A100-SXM4-80GB": 2039.0}
+MODEL_SPECS = ("paper", "all")
+# Through 24 blocks in bf16 the two backends' rounding differences compound; this only catches
+# garbage (a wrong kernel gives O(1)).
+MODEL_RATIO = 5e-2
 GOALS = (
     # (path, quantity, op, bound), at the largest grid: `speedup` vs SDPA, `fraction` = time / SDPA time,
     # `growth` over the previous grid, memory in inputs (the bytes of q)
@@ -116,8 +122,6 @@ def measure(grid: tuple[int, int], args: argparse.Namespace) -> dict[str, Any]:
     row: dict[str, Any] = {"grid": f"{grid[0]}x{grid[1]}", "image_tokens": grid[0] * grid[1], "status": "ok"}
     paths = list(args.paths)
     if "triton" in paths:
-        import t5kernels
-
         reason = t5kernels.unsupported_reason(case.q, variant=case.module.variant)
         if reason is not None:
             paths.remove("triton")
@@ -227,7 +231,8 @@ def table(result: dict[str, Any]) -> list[str]:
         previous = row
     skipped = sorted({f"`{path}` not run: {why}" for row in rows for path, why in row.get("skipped", {}).items()})
     notes = [f"* {line}" for line in skipped] + [f"* goal: {line}" for line in meta.get("goals", [])]
-    return [*intro, "", *markdown_table(header, lines), *([""] + notes if notes else []), *_chunk_sweep(meta)]
+    tail = [*_chunk_sweep(meta), *_model_step(meta)]
+    return [*intro, "", *markdown_table(header, lines), *([""] + notes if notes else []), *tail]
 
 
 def _chunk_sweep(meta: dict[str, Any]) -> list[str]:
@@ -244,6 +249,95 @@ def _chunk_sweep(meta: dict[str, Any]) -> list[str]:
         for row in sweep
     ]  # fmt: skip
     return ["", intro, "", *markdown_table(["chunk tokens", "ms", "p20-p80 ms", "peak MiB"], rows)]
+
+
+def model_config(device: str) -> dict:
+    """SD3.5 Medium on CUDA; on CPU a 2-block cut of it (same head dim and text width)."""
+    if device == "cuda":
+        return sd35_medium_config()
+    reduced = dict(num_layers=2, num_attention_heads=2, caption_projection_dim=128, dual_attention_layers=(0,))
+    return {**sd35_medium_config(), **reduced, "pos_embed_max_size": 96}
+
+
+def model_step_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Whole-transformer no-grad step: softmax vs `paper` / `all` with each available backend."""
+    from diffusers import SD3Transformer2DModel
+
+    from t5core.hosts.diffusers import linearize
+
+    config = model_config(args.device)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = SD3Transformer2DModel(**config).to(dtype).eval()
+    probe = torch.empty(1, 1, config["num_attention_heads"], config["attention_head_dim"], device=args.device)
+    reason = t5kernels.unsupported_reason(probe.to(dtype), variant="swiglu")
+    backends = ["torch"] + (["triton"] if reason is None else [])
+    rows = []
+    for resolution in args.model_step:
+        latent = resolution // 8
+        generator, batch = torch.Generator().manual_seed(1), args.batch
+        inputs = dict(
+            hidden_states=torch.randn(batch, 16, latent, latent, generator=generator),
+            encoder_hidden_states=torch.randn(batch, args.text, config["joint_attention_dim"], generator=generator),
+            pooled_projections=torch.randn(batch, config["pooled_projection_dim"], generator=generator),
+            timestep=torch.rand(batch, generator=generator) * 1000,
+        )
+        inputs = {name: t.to(args.device, dtype) for name, t in inputs.items()}
+
+        def step(inputs: dict = inputs) -> torch.Tensor:
+            with torch.no_grad():
+                return model(**inputs, return_dict=False)[0]
+
+        tokens = (latent // config["patch_size"]) ** 2 + args.text
+        row: dict[str, Any] = {"resolution": resolution, "tokens": tokens, "status": "ok"}
+        row["softmax_median_ms"] = time_fn(step, warmup=1, reps=args.rounds)["median_ms"]
+        if reason is not None:
+            row["triton_skipped"] = reason
+        for spec in MODEL_SPECS:
+            outputs = {}
+            for backend in backends:
+                torch.manual_seed(2)
+                handle = linearize(model, layers=spec, backend=backend)
+                try:
+                    outputs[backend] = step().float()
+                    row[f"{spec}_{backend}_median_ms"] = time_fn(step, warmup=1, reps=args.rounds)["median_ms"]
+                finally:
+                    handle.remove()
+            if "triton" in outputs:
+                error = relative_rms(outputs["torch"], outputs["triton"])
+                row[f"{spec}_triton_rel_err"] = error
+                if not error <= MODEL_RATIO:
+                    row["status"] = f"FAIL: {spec} triton vs torch relative RMS error {error:.1e} > {MODEL_RATIO:.0e}"
+        rows.append(row)
+    return rows
+
+
+def _model_step(meta: dict[str, Any]) -> list[str]:
+    rows = meta.get("model_step") or []
+    if not rows:
+        return []
+    model = "a 2-block cut of SD3.5 Medium" if meta["device"].startswith("cpu") else "SD3.5 Medium"
+    intro = (
+        f"The whole transformer step (`--model-step`): one no-grad step of {model} (random weights), batch "
+        f"{meta['batch']}, {meta['text_tokens']} text tokens; softmax is SDPA, the T5 columns convert the `paper` or "
+        "`all` modules on the named backend; ms (speedup)."
+    )
+    columns = [f"{spec}_{backend}" for spec in MODEL_SPECS for backend in ("torch", "triton")]
+    cells = []
+    for row in rows:
+        base = row["softmax_median_ms"]
+        cells.append(
+            [row["resolution"], row["tokens"], fmt_ms(base)]
+            + [
+                f"{fmt_ms(row[c + '_median_ms'])} ({fmt_x(speedup(base, row[c + '_median_ms']))})"
+                if c + "_median_ms" in row else "n/a"
+                for c in columns
+            ]
+            + [row["status"]]
+        )  # fmt: skip
+    header = ["resolution", "N", "softmax ms", *(f"`{c.replace('_', '` ')}" for c in columns), "check"]
+    return ["", intro, "", *markdown_table(header, cells)]
 
 
 def copy_gbs(device: str) -> float:
@@ -265,6 +359,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds (each times every path twice)")
     parser.add_argument("--resident", default="sdpa,chunked", help="paths whose resident rise is measured (CPU)")
     parser.add_argument("--chunk-sweep", type=int, nargs="*", default=[], help="chunk sizes at the largest grid")
+    parser.add_argument(
+        "--model-step", type=int, nargs="*", default=[], help="also the whole transformer step at these px"
+    )
     parser.add_argument("--peak-gbs", type=float, help="HBM peak in GB/s (default: from a table of GPUs)")
     parser.add_argument("--suffix", default="", help="appended to the JSON's name: attention_<device><suffix>")
     args = parser.parse_args(argv)
@@ -286,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     with softmax_backend(args.device):
         rows = [measure(grid, args) for grid in args.grids]
         sweep = sweep_chunks(max(args.grids, key=lambda g: g[0] * g[1]), args) if args.chunk_sweep else []
+        model_step = model_step_rows(args) if args.model_step else []
     meta = {
         "paths": args.paths,
         **{key: getattr(args, key) for key in ("batch", "heads", "head_dim", "dtype", "backend")},
@@ -296,6 +394,7 @@ def main(argv: list[str] | None = None) -> None:
         "load_average_after": os.getloadavg(),
         "goals": goals(rows),
         "chunk_sweep": sweep,
+        "model_step": model_step,
     }
     if "triton" in args.paths:
         gpu = torch.cuda.get_device_name() if args.device == "cuda" else ""

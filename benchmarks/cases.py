@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from testing.tolerances import CHUNKED_RATIO, KERNEL_RATIO, relative_rms
 
 __all__ = ["DTYPES", "PATHS", "AttentionCase", "add_case_arguments", "goal", "grid_of", "softmax_backend"]
 
+Attention = Callable[[Tensor, Tensor, Tensor], Tensor]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PATHS = {
     "sdpa": "softmax over all tokens (`F.scaled_dot_product_attention`)",
@@ -126,23 +128,28 @@ class AttentionCase:
             self._modules[path] = module.to(args.device)
         return self._modules[path](q, k, v, **self.layout)
 
-    def forward(self, path: str, **options: int) -> Callable[[], Tensor]:
-        """A no-grad forward of `path` on the case's inputs (options: `chunk_tokens`)."""
+    def forward(self, path: str | Attention, **options: int) -> Callable[[], Tensor]:
+        """A no-grad forward of `path` (a key of `PATHS`, or any `(q, k, v) -> out`) on the case's inputs
+        (options: `chunk_tokens`)."""
 
         @torch.no_grad()
         def run() -> Tensor:
-            return self.call(path, self.q, self.k, self.v, **options)
+            return self._attention(path, **options)(self.q, self.k, self.v)
 
         return run
 
-    def forward_backward(self, path: str) -> Callable[[], None]:
-        """A forward of `path` and its backward from the case's output gradient, to q, k, v and parameters."""
+    def forward_backward(self, path: str | Attention) -> Callable[[], None]:
+        """A forward of `path` (as for `forward`) and its backward from the case's output gradient, to q, k,
+        v and the parameters."""
 
         def run() -> None:
             leaves = [x.detach().requires_grad_() for x in (self.q, self.k, self.v)]
-            self.call(path, *leaves).backward(self.grad)
+            self._attention(path)(*leaves).backward(self.grad)
 
         return run
+
+    def _attention(self, path: str | Attention, **options: int) -> Attention:
+        return path if callable(path) else functools.partial(self.call, path, **options)
 
     def reference(self) -> Tensor:
         """The fp32 reference output (`t5_attention_ref` on upcast inputs), computed once."""

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Every GPU check, sized for a short device lease: 785 s of stage limits in all, so on a device tool
-# with a 10-minute command limit run it as two commands (475 s and 310 s of limits):
+# Every GPU check, sized for a short device lease: 775 s of stage limits in all, so on a device tool
+# with a 10-minute command limit run it as two commands (465 s and 310 s of limits):
 #
-#   bash benchmarks/gpu_check.sh tests attention model sweep
+#   bash benchmarks/gpu_check.sh tests bench sweep
 #   bash benchmarks/gpu_check.sh comfy lowvram step
 #
 #   tests  pytest tests/t5kernels on CUDA: SD3.5 shapes, bf16, bit-repeatability, sm_80/90 compile
-#   attention python3 -m benchmarks.bench_attention --paths sdpa,t5,triton --backward: one call at
-#          SD3.5 Medium's 1K and 2K shapes (B=2, 333 text tokens), bf16  -> attention_cuda_kernels.json
-#   model  python3 -m benchmarks.bench_kernels: the whole transformer step  -> kernels_cuda.json
+#   bench  python3 -m benchmarks.bench_attention --paths sdpa,t5,triton --backward --model-step 1024 2048:
+#          one call at SD3.5 Medium's 1K and 2K shapes (B=2, 333 text tokens, bf16), then the whole
+#          transformer step                                          -> attention_cuda_kernels.json
 #   sweep  python3 -m benchmarks.sweep_kernels (launch settings at 2K)  -> kernels_sweep_cuda.json
 #   comfy  python3 -m tools.comfy_dynamic_vram: a real ComfyUI 0.33 server on CUDA (Dynamic VRAM), T5 on,
 #          T5 off, a LoRA after the node, the same prompt twice; reports the T5 parameters copied
@@ -22,8 +22,8 @@
 #          hybrids; whole at 1024x1024, composed from per-block times at 1024x1024 (checked against
 #          the whole step) and 2048x2048                         -> comfy_step_whole_cuda.json
 #
-#   bash benchmarks/gpu_check.sh                 # all seven, in that order
-#   bash benchmarks/gpu_check.sh model sweep     # some of them
+#   bash benchmarks/gpu_check.sh                 # all six, in that order
+#   bash benchmarks/gpu_check.sh bench sweep     # some of them
 #
 # Logs and JSON go to $OUT (the device tool's folder; else benchmarks/results/gpu_check). Each stage
 # has its own time limit, so a slow one cannot eat the next; the exit status is 1 if any failed.
@@ -33,7 +33,8 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl diffusers==0.42.1
-# and run with carry [".whl"]. Without it the model stage fails.
+# and run with carry [".whl"]. Without it the bench stage fails at the model step, after its
+# attention table.
 #
 # The comfy, lowvram and step stages run the ComfyUI tree in $COMFYUI_TREE (default .comfyui/0.33.0, a copy of this
 # machine's ~/comfy/0.33.0, README.md 'Tests': `mkdir -p .comfyui && cp -r ~/comfy/0.33.0 .comfyui/`,
@@ -71,13 +72,13 @@ stage() {  # stage NAME LIMIT_S COMMAND...
     [ "$rc" -eq 0 ] || failed=1
 }
 
-for name in "${@:-tests attention model sweep comfy lowvram step}"; do
+for name in "${@:-tests bench sweep comfy lowvram step}"; do
     for one in $name; do
         case $one in
             tests) stage tests 230 python3 -m pytest tests/t5kernels -q -n 12 -p no:cacheprovider ;;
-            attention) stage attention 70 python3 -m benchmarks.bench_attention --paths sdpa,t5,triton --backward \
-                       --grids 64x64 128x128 --batch 2 --text 333 --rounds 10 --suffix _kernels --results-dir "$out" ;;
-            model) stage model 90 python3 -m benchmarks.bench_kernels --results-dir "$out" ;;
+            bench) stage bench 150 python3 -m benchmarks.bench_attention --paths sdpa,t5,triton --backward \
+                       --grids 64x64 128x128 --batch 2 --text 333 --rounds 10 --model-step 1024 2048 \
+                       --suffix _kernels --results-dir "$out" ;;
             sweep) stage sweep 85 python3 -m benchmarks.sweep_kernels --budget-s 60 --results-dir "$out" ;;
             comfy) stage comfy 75 python3 -m tools.comfy_dynamic_vram --comfyui "${COMFYUI_TREE:-.comfyui/0.33.0}" \
                        --results-dir "$out" ;;
@@ -86,8 +87,7 @@ for name in "${@:-tests attention model sweep comfy lowvram step}"; do
             step) stage step 200 python3 -m benchmarks.bench_comfy_step --device cuda --dtype bf16 --sizes 1024 \
                        --compose 1024 2048 --warmup 2 --reps 5 --block-reps 3 \
                        --comfyui "${COMFYUI_TREE:-.comfyui/0.33.0}" --results-dir "$out" ;;
-            *) echo "unknown stage '$one' (tests, attention, model, sweep, comfy, lowvram, step)" | tee -a "$log"
-               exit 2 ;;
+            *) echo "unknown stage '$one' (tests, bench, sweep, comfy, lowvram, step)" | tee -a "$log"; exit 2 ;;
         esac
     done
 done

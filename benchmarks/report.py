@@ -36,7 +36,7 @@ shown here for it.
 timed in the same run.
 
 **GPU:** `bash benchmarks/gpu_check.sh` runs every GPU check (the kernel tests on CUDA,
-`bench_attention.py --paths sdpa,t5,triton --backward`, `bench_kernels.py`, `sweep_kernels.py`,
+`bench_attention.py --paths sdpa,t5,triton --backward --model-step 1024 2048`, `sweep_kernels.py`,
 `tools/comfy_dynamic_vram.py`, `tools/comfy_lowvram.py`, `bench_comfy_step.py` on the whole model);
 its header says what to carry to a GPU machine and how to split it under a 10-minute command
 limit. Its JSON files, copied into `benchmarks/results/`, get their sections on the next

@@ -1,14 +1,7 @@
-"""The ComfyUI side of `benchmarks/bench_comfy_step.py`: the model, its paths through the node, and
-one instrumented sampling step, timed whole or block by block.
-
-A path is softmax or the `T5Linearize` node's output for a file of seeded random T5 modules; `Step`
-is one `nodes.common_ksampler` euler step with CFG of a clone of the path's patcher, carrying an
-`APPLY_MODEL` wrapper (the batch of every model call, the running diffusion model) and the attention
-clock (`benchmarks.step_probes`). `WholeRun` times the step; `ComposedRun` routes every joint block
-through ComfyUI's `patches_replace["dit"]` hook, passing its inputs through, except one block of each
-kind the path has, which is timed there on the step's own hidden states, text tokens and conditioning
-vector; the step with every block passing through is the rest (`benchmarks.step_compose`). Both time
-one round at a time, so that the script can run the rounds of every path in turn.
+"""The ComfyUI side of `benchmarks/bench_comfy_step.py`: the model, its paths through the node (`StepPath`),
+one instrumented sampling step (`Step`), and the two ways to time it, whole (`WholeRun`) or composed
+from its blocks (`ComposedRun`, adding up as `benchmarks.step_compose` says). Both time one round at a
+time, so that the script can run the rounds of every path in turn.
 """
 
 from __future__ import annotations

@@ -57,20 +57,11 @@ def candidates(sweep: str, default: LaunchSettings, args: argparse.Namespace) ->
     yield from (s for s in settings if s != default)
 
 
-def _forward(qkv: tuple[torch.Tensor, ...], parameters: dict, settings: LaunchSettings) -> torch.Tensor:
-    return t5_attention(*qkv, **parameters, launch=settings)
-
-
-def _forward_backward(qkv: tuple[torch.Tensor, ...], parameters: dict, settings: LaunchSettings, grad) -> None:
-    _forward(qkv, parameters, settings).backward(grad)
-
-
 def sweep_rows(sweep: str, case: AttentionCase, reference: torch.Tensor, args: argparse.Namespace, *, deadline: float):
     """Check and time each candidate of one sweep, starting none after `deadline` (the default always
     runs); returns its rows, default first."""
     dtype = DTYPES[args.dtype]
     default = cuda_settings(dtype, "bwd" if sweep == "bwd" else "fwd") if args.device == "cuda" else args.cpu_default
-    parameters, qkv = case.parameters(), (case.q, case.k, case.v)
     rows = []
     for settings in candidates(sweep, default, args):
         row = {"sweep": sweep, **dataclasses.asdict(settings), "default": settings == default}
@@ -78,17 +69,13 @@ def sweep_rows(sweep: str, case: AttentionCase, reference: torch.Tensor, args: a
         if time.monotonic() > deadline and not row["default"]:
             row["status"] = "not run: --budget-s spent"
             continue
+        attention = functools.partial(t5_attention, **case.parameters(), launch=settings)
         try:
-            with torch.no_grad():
-                row["rel_err"] = relative_rms(reference, _forward(qkv, parameters, settings).float())
+            row["rel_err"] = relative_rms(reference, case.forward(attention)().float())
             if not row["rel_err"] <= KERNEL_RATIO[dtype]:
                 row["status"] = f"FAIL: relative RMS error {row['rel_err']:.1e} > {KERNEL_RATIO[dtype]:.0e}"
                 continue
-            if sweep == "bwd":
-                leaves = tuple(x.detach().requires_grad_() for x in qkv)
-                step = functools.partial(_forward_backward, leaves, parameters, settings, case.grad)
-            else:
-                step = torch.no_grad()(functools.partial(_forward, qkv, parameters, settings))
+            step = case.forward_backward(attention) if sweep == "bwd" else case.forward(attention)
             timing = time_fn(step, warmup=args.warmup, reps=args.reps)
         except Exception as error:  # noqa: BLE001 - a setting that cannot compile or launch is a result
             row["status"] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"

@@ -39,15 +39,8 @@ SPEEDUP_VS_SOFTMAX = "speedup vs softmax (softmax time / T5 time)"
 
 
 def speedup(baseline_ms: float, new_ms: float) -> float:
-    """The project's one speed-ratio convention: baseline time over new time (> 1: the new path is faster).
-
-    Args:
-        baseline_ms (`float`): time of the baseline (softmax, or the path being compared against).
-        new_ms (`float`): time of the path being measured (T5, or the faster candidate).
-
-    Returns:
-        `baseline_ms / new_ms`.
-    """
+    """The project's one speed-ratio convention: the baseline's time (softmax, or the path compared
+    against) over the measured path's (T5, or the faster candidate); above 1 the measured path is faster."""
     return baseline_ms / new_ms
 
 
@@ -83,51 +76,41 @@ def summarize(times_ms: list[float]) -> dict[str, float]:
 
 
 def time_fn(fn: Callable[[], Any], *, warmup: int = 5, reps: int = 20) -> dict[str, float]:
-    """Time `fn()` (`time_call`) and return its median and 20 / 80 % quantiles in milliseconds.
-
-    Inputs must be built before the call (only `fn()` is timed).
-
-    Args:
-        fn (`Callable[[], Any]`): the work to time; called `warmup + reps` times.
-        warmup (`int`, *optional*, defaults to 5): untimed calls first (compilation, autotuning, caches).
-        reps (`int`, *optional*, defaults to 20): timed calls; at least 2.
-
-    Returns:
-        `{"median_ms", "p20_ms", "p80_ms"}`.
-
-    Raises:
-        ValueError: `reps < 2` or `warmup < 0`.
-    """
-    if reps < 2 or warmup < 0:
-        raise ValueError(f"time_fn needs reps >= 2 and warmup >= 0; got reps={reps}, warmup={warmup}.")
-    for _ in range(warmup):
-        fn()
-    return summarize([time_call(fn) for _ in range(reps)])
+    """`{"median_ms", "p20_ms", "p80_ms"}` of `reps` timed calls of `fn()` (at least 2) after `warmup`
+    untimed ones: `time_in_turn` of one path. Inputs must be built before the call."""
+    return summarize(time_in_turn({"fn": fn}, rounds=reps, warmup=warmup)["fn"])
 
 
-def time_in_turn(fns: Mapping[str, Callable[[], Any]], *, rounds: int, calls: int = 1) -> dict[str, list[float]]:
+def time_in_turn(
+    fns: Mapping[str, Callable[[], Any]], *, rounds: int, calls: int = 1, warmup: int = 1
+) -> dict[str, list[float]]:
     """Per-round times (ms) of several paths, from rounds that time every path in turn.
 
-    Each path is called once untimed first; then each of `rounds` rounds times every path, in the
-    order given, as the median of `calls` calls (`time_call`). On a machine whose speed drifts (a
-    shared host, thermal limits), paths timed one after another in one round see the same conditions,
-    so per-round ratios between paths are steadier than ratios of paths timed in separate blocks.
+    Each path is called `warmup` times untimed first (compilation, autotuning, caches); then each of
+    `rounds` rounds times every path, in the order given, as the median of `calls` calls (`time_call`).
+    On a machine whose speed drifts (a shared host, thermal limits), paths timed one after another in
+    one round see the same conditions, so per-round ratios between paths are steadier than ratios of
+    paths timed in separate blocks.
 
     Args:
         fns (`Mapping[str, Callable[[], Any]]`): the paths, by name.
         rounds (`int`): timed rounds; at least 2.
         calls (`int`, *optional*, defaults to 1): timed calls of each path per round.
+        warmup (`int`, *optional*, defaults to 1): untimed calls of each path first.
 
     Returns:
         `{name: [ms per round]}`, in the order of `fns`; `summarize` turns a list into quantiles.
 
     Raises:
-        ValueError: `rounds < 2` or `calls < 1`.
+        ValueError: `rounds < 2`, `calls < 1` or `warmup < 0`.
     """
-    if rounds < 2 or calls < 1:
-        raise ValueError(f"time_in_turn needs rounds >= 2 and calls >= 1; got rounds={rounds}, calls={calls}.")
+    if rounds < 2 or calls < 1 or warmup < 0:
+        raise ValueError(
+            f"time_in_turn needs rounds >= 2, calls >= 1 and warmup >= 0; got {rounds}, {calls} and {warmup}."
+        )
     for fn in fns.values():
-        fn()
+        for _ in range(warmup):
+            fn()
     per_round: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():

@@ -1,8 +1,7 @@
-"""`benchmarks/bench_attention.py --paths ...,triton`, `benchmarks/bench_kernels.py` and
-`benchmarks/sweep_kernels.py` end to end with the kernels under Triton's interpreter, at tiny shapes:
-every branch a GPU run takes (check against the reference, Triton timing columns, bandwidth, forward +
-backward, the whole-transformer rows with the Triton backend, each sweep and its budget) runs before a
-GPU is at hand."""
+"""`benchmarks/bench_attention.py --paths ...,triton --model-step` and `benchmarks/sweep_kernels.py` end
+to end with the kernels under Triton's interpreter, at tiny shapes: every branch a GPU run takes (check
+against the reference, Triton timing columns, bandwidth, forward + backward, the whole-transformer rows
+with the Triton backend, each sweep and its budget) runs before a GPU is at hand."""
 
 from __future__ import annotations
 
@@ -52,14 +51,15 @@ def test_attention_paths_run_every_triton_branch_under_the_interpreter(tmp_path)
 def test_model_step_runs_the_triton_backend_under_the_interpreter(tmp_path):
     pytest.importorskip("diffusers")
     result = _run_interpreted(
-        "bench_kernels.py", "--resolutions", "64", "--text=4", "--reps=2", "--warmup=0", f"--results-dir={tmp_path}"
-    )
-    assert "FAIL" not in result.stdout
-    rows = json.loads((tmp_path / "kernels_cpu.json").read_text())["rows"]
-    assert len(rows) == 1 and rows[0]["status"] == "ok"
+        "bench_attention.py", "--paths=sdpa,triton", "--grids=1x2", "--heads=2", "--head-dim=16", "--text=4",
+        "--rounds=2", "--model-step", "64", f"--results-dir={tmp_path}",
+    )  # fmt: skip
+    assert "FAIL" not in result.stdout and "| 64 | 20 |" in result.stdout
+    (row,) = json.loads((tmp_path / "attention_cpu.json").read_text())["meta"]["model_step"]
+    assert row["status"] == "ok" and row["tokens"] == (64 // 8 // 2) ** 2 + 4
     for spec in ("paper", "all"):
-        assert rows[0][f"{spec}_triton_rel_err"] <= 1e-4
-        assert {f"{spec}_triton_median_ms", f"{spec}_torch_median_ms"} <= rows[0].keys()
+        assert row[f"{spec}_triton_rel_err"] <= 1e-4
+        assert {f"{spec}_triton_median_ms", f"{spec}_torch_median_ms"} <= row.keys()
 
 
 def _sweep(tmp_path: Path, *args: str) -> dict:
