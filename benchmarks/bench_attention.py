@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 import t5kernels
-from benchmarks.cases import PATHS, AttentionCase, add_case_arguments, goal, grid_of, softmax_backend
+from benchmarks.cases import PATHS, AttentionCase, add_case_arguments, goal, grid_of, sd3_inputs, softmax_backend
 from benchmarks.step_probes import peak_resident_mib
 from benchmarks.timing import (
     fmt_ms,
@@ -275,21 +275,14 @@ def model_step_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     backends = ["torch"] + (["triton"] if reason is None else [])
     rows = []
     for resolution in args.model_step:
-        latent = resolution // 8
-        generator, batch = torch.Generator().manual_seed(1), args.batch
-        inputs = dict(
-            hidden_states=torch.randn(batch, 16, latent, latent, generator=generator),
-            encoder_hidden_states=torch.randn(batch, args.text, config["joint_attention_dim"], generator=generator),
-            pooled_projections=torch.randn(batch, config["pooled_projection_dim"], generator=generator),
-            timestep=torch.rand(batch, generator=generator) * 1000,
-        )
+        inputs = sd3_inputs(config, batch=args.batch, resolution=resolution, text=args.text)
         inputs = {name: t.to(args.device, dtype) for name, t in inputs.items()}
 
         def step(inputs: dict = inputs) -> torch.Tensor:
             with torch.no_grad():
                 return model(**inputs, return_dict=False)[0]
 
-        tokens = (latent // config["patch_size"]) ** 2 + args.text
+        tokens = (resolution // 8 // config["patch_size"]) ** 2 + args.text
         row: dict[str, Any] = {"resolution": resolution, "tokens": tokens, "status": "ok"}
         row["softmax_median_ms"] = time_fn(step, warmup=1, reps=args.rounds)["median_ms"]
         if reason is not None:

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from benchmarks.bench_trainer_memory import CLIP_TOKENS, T5_TOKENS, VAE_FACTOR, run_shape
+from benchmarks.cases import sd3_inputs
 from benchmarks.step_probes import reset_peak_resident, status_kib
 from benchmarks.timing import header_line, markdown_table, publish
 from trainer.inputs.sources import PARTS_CONFIG_DIR
@@ -85,13 +86,12 @@ def _gib_since(baseline_kib: int) -> float:
 
 
 class _RandomSource:
-    """One random sample with SD3.5's shapes: latents (16, h, w), context (T, 4096), pooled (2048,)."""
+    """One random sample with the shapes of an SD3 transformer's inputs (its `config`) at `resolution` px."""
 
-    def __init__(self, latent_hw: tuple[int, int], *, channels: int, text_dim: int, pooled_dim: int) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.latents = torch.randn(1, channels, *latent_hw, generator=generator)
-        self.context = torch.randn(1, TEXT_TOKENS, text_dim, generator=generator)
-        self.pooled = torch.randn(1, pooled_dim, generator=generator)
+    def __init__(self, config: dict, resolution: int) -> None:
+        inputs = sd3_inputs(config, batch=1, resolution=resolution, text=TEXT_TOKENS, seed=0)
+        self.latents, self.context = inputs["hidden_states"], inputs["encoder_hidden_states"]
+        self.pooled = inputs["pooled_projections"]
 
     def buckets(self) -> dict[tuple[int, int], list[int]]:
         return {tuple(self.latents.shape[2:]): [0]}
@@ -141,13 +141,7 @@ def _measure(resolution: int) -> dict:
     model = parallelize(student, None, config=config, world=world)
     optimizer = build_optimizer(model, split, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, steps=config.training.steps)
-    latent = resolution // VAE_FACTOR
-    source = _RandomSource(
-        (latent, latent),
-        channels=arch["in_channels"],
-        text_dim=arch["joint_attention_dim"],
-        pooled_dim=arch["pooled_projection_dim"],
-    )
+    source = _RandomSource(arch, resolution)
     with tempfile.TemporaryDirectory() as scratch:
         parts = TrainParts(
             config=config,
@@ -234,13 +228,8 @@ def _generation_phase(resolution: int) -> dict:
 
     arch = sd35_medium_config()
     model = SD3Transformer2DModel(**arch).eval().requires_grad_(False)
-    latent, samples = resolution // VAE_FACTOR, 2 * GENERATED
-    model(
-        hidden_states=torch.randn(samples, arch["in_channels"], latent, latent),
-        encoder_hidden_states=torch.randn(samples, TEXT_TOKENS, arch["joint_attention_dim"]),
-        pooled_projections=torch.randn(samples, arch["pooled_projection_dim"]),
-        timestep=torch.full((samples,), 500.0),
-    )
+    samples = 2 * GENERATED
+    model(**sd3_inputs(arch, batch=samples, resolution=resolution, text=TEXT_TOKENS))
     return {
         "weights": sum(p.numel() for p in model.parameters()),
         "buffers": sum(b.numel() for b in model.buffers()),

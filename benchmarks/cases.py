@@ -26,7 +26,7 @@ from t5core.ttt import t5_attention_ref
 from t5core.ttt_chunked import DEFAULT_CHUNK_TOKENS, t5_attention_chunked
 from testing.tolerances import CHUNKED_RATIO, KERNEL_RATIO, relative_rms
 
-__all__ = ["DTYPES", "PATHS", "AttentionCase", "add_case_arguments", "goal", "grid_of", "softmax_backend"]
+__all__ = ["DTYPES", "PATHS", "AttentionCase", "add_case_arguments", "goal", "grid_of", "sd3_inputs", "softmax_backend"]
 
 Attention = Callable[[Tensor, Tensor, Tensor], Tensor]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -170,6 +170,18 @@ class AttentionCase:
             return relative_rms(sdpa[:, : self.text], out[:, : self.text]), bound
         error = relative_rms(self.reference(), out) if torch.isfinite(out).all() else float("inf")
         return error, bound
+
+
+def sd3_inputs(config: dict, *, batch: int, resolution: int, text: int, seed: int = 1) -> dict[str, Tensor]:
+    """Seeded random inputs of one call of an SD3 transformer (its diffusers `config`) at `resolution` px
+    with `text` tokens: the keyword arguments of its forward, on the CPU in fp32."""
+    generator, latent = torch.Generator().manual_seed(seed), resolution // 8
+    return dict(
+        hidden_states=torch.randn(batch, config["in_channels"], latent, latent, generator=generator),
+        encoder_hidden_states=torch.randn(batch, text, config["joint_attention_dim"], generator=generator),
+        pooled_projections=torch.randn(batch, config["pooled_projection_dim"], generator=generator),
+        timestep=torch.rand(batch, generator=generator) * 1000,
+    )
 
 
 def goal(label: str, value: float, op: str, bound: float) -> str:

@@ -6,8 +6,8 @@
 Each result file (`<name>.json`, written by `benchmarks.timing.write_json`) names in `meta["script"]`
 the module that wrote it, and that module owns its section: `TITLE` is the heading and
 `table(result)` the markdown lines below it, the same lines the script prints. A file without an
-owner is an error, so a new result cannot be left out silently. `render` serves any results folder
-(`--results-dir`, `--readme`), so a script outside `benchmarks/` owns its table the same way.
+owner is an error, so a new result cannot be left out silently. A script anywhere owns its table the
+same way (`benchmarks.timing.publish` records it).
 """
 
 from __future__ import annotations
@@ -50,22 +50,21 @@ def _section(name: str, result: dict) -> list[str]:
     if not (hasattr(module, "TITLE") and hasattr(module, "table")):
         raise ValueError(
             f"{name}: meta['script'] is {script!r}, which is not a module defining TITLE and table(result); "
-            "write results with benchmarks.timing.write_json(..., script=__spec__.name)."
+            "write results with benchmarks.timing.publish(..., table=table)."
         )
     measured = f"Measured on {meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, commit {meta['commit']}."
     return [f"## {module.TITLE} (`{name}`)", "", f"`python -m {script}`. {measured}", "", *module.table(result), ""]
 
 
-def render(results_dir: Path = RESULTS_DIR, intro: str = INTRO) -> str:
-    """The README text for the result files in `results_dir`: `intro`, then one section per file.
-
-    Sections are ordered by owner module, then file name.
+def render(results_dir: Path = RESULTS_DIR) -> str:
+    """The whole `benchmarks/README.md` text for the result files in `results_dir`, one section per file,
+    ordered by owner module, then file name.
 
     Raises:
         ValueError: a result file without an owner module (`meta["script"]`).
     """
     results = {path.name: json.loads(path.read_text(encoding="utf-8")) for path in results_dir.glob("*.json")}
-    lines = [intro, ""]
+    lines = [INTRO, ""]
     if results and all(result["meta"]["device"].startswith("cpu") for result in results.values()):
         lines += ["**Every figure below was measured on a CPU; none on a GPU yet.**", ""]
     for name in sorted(results, key=lambda name: (results[name]["meta"].get("script") or "", name)):
@@ -75,22 +74,22 @@ def render(results_dir: Path = RESULTS_DIR, intro: str = INTRO) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the README is out of date")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="the folder of result files")
-    parser.add_argument("--readme", type=Path, help="the README to write or check (default: print the text)")
+    parser.add_argument("--check", action="store_true", help="exit 1 if benchmarks/README.md is out of date")
+    parser.add_argument(
+        "--results-dir", type=Path, help="render the result files in this folder and print the text (README untouched)"
+    )
     args = parser.parse_args(argv)
-    readme = args.readme or (README if args.results_dir == RESULTS_DIR else None)
-    text = render(args.results_dir)
-    if readme is None:
-        print(text, end="")
+    if args.results_dir is not None:
+        print(render(args.results_dir), end="")
         return 0
+    text = render()
     if args.check:
-        if not readme.exists() or readme.read_text(encoding="utf-8") != text:
-            print(f"{readme} is out of date: run python -m benchmarks.report", file=sys.stderr)
+        if README.read_text(encoding="utf-8") != text:
+            print(f"{README} is out of date: run python -m benchmarks.report", file=sys.stderr)
             return 1
         return 0
-    readme.write_text(text, encoding="utf-8")
-    print(f"wrote {readme}")
+    README.write_text(text, encoding="utf-8")
+    print(f"wrote {README}")
     return 0
 
 

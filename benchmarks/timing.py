@@ -165,24 +165,17 @@ def header_line() -> str:
 
 
 def write_json(
-    name: str,
-    rows: list[dict[str, Any]],
-    meta: dict[str, Any] | None = None,
-    *,
-    directory: Path = RESULTS_DIR,
-    script: str | None = None,
+    name: str, rows: list[dict[str, Any]], meta: dict[str, Any] | None = None, *, directory: Path = RESULTS_DIR
 ) -> Path:
     """Write `{"meta": ..., "rows": ...}` to `<directory>/<name>.json` (default `benchmarks/results/`)
     atomically.
 
-    `meta` is merged over `environment()`, so every file records where it was measured, and `script`
-    (the import name of the module whose `TITLE` and `table(result)` render the file) goes to
-    `meta["script"]`, which `benchmarks.report` reads.
+    `meta` is merged over `environment()`, so every file records where it was measured.
 
     Returns:
         The path written.
     """
-    payload = {"meta": {**environment(), **({"script": script} if script else {}), **(meta or {})}, "rows": rows}
+    payload = {"meta": {**environment(), **(meta or {})}, "rows": rows}
     path = write_text_atomic(directory / f"{name}.json", json.dumps(payload, indent=2) + "\n")
     logger.info("wrote %s", path)
     return path
@@ -198,7 +191,8 @@ def publish(
     write: bool = True,
 ) -> dict[str, Any]:
     """Print the markdown table of a run, as `benchmarks/README.md` will show it, and write its JSON
-    (`write_json`, with the module of `table` as its owner) when `write`.
+    (`write_json`) when `write`, recording the module that defines `table` as `meta["script"]`: the
+    owner `benchmarks.report` renders the file with.
 
     Returns:
         The result, `{"meta": ..., "rows": ...}`.
