@@ -122,22 +122,24 @@ def _source(data: DataConfig) -> ToySource:
     return ToySource(data.toy_samples, size=size)
 
 
-def _plain_linear(handle: T5Handle, config: TrainConfig) -> list[nn.Parameter]:
+def _plain_linear(handle: T5Handle, config: TrainConfig) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """Plain linear attention in place of each converted module's T5 computation. The T5 modules stay in the
-    model, unused, so their parameters get no gradient and the run still exports a loadable file (with them
-    as initialised: the file is a record of the baseline's inherited-weight deltas, not a T5 model to use)."""
+    model, unused and frozen, so the run still exports a loadable file (with them as initialised: the file
+    records the baseline's inherited-weight deltas, it is not a T5 model to sample with)."""
     for module in handle.modules.values():
         module.forward = PlainLinearAttention().forward
-    return []
+    return [], list(handle.t5_parameters())
 
 
-def _reinit_inherited(handle: T5Handle, config: TrainConfig) -> list[nn.Parameter]:
+def _reinit_inherited(handle: T5Handle, config: TrainConfig) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """The converted modules' inherited attention weights re-initialised (from the run's seed); they train as new."""
-    return reinit_inherited(handle.model, tuple(handle.modules), seed=config.training.seed)
+    return reinit_inherited(handle.model, tuple(handle.modules), seed=config.training.seed), []
 
 
 def _toy_preset(
-    name: str, description: str, adapt_student: Callable[[T5Handle, TrainConfig], list[nn.Parameter]] | None = None
+    name: str,
+    description: str,
+    adapt_student: Callable[[T5Handle, TrainConfig], tuple[list[nn.Parameter], list[nn.Parameter]]] | None = None,
 ) -> ModelPreset:
     return register_preset(
         ModelPreset(

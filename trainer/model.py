@@ -296,18 +296,25 @@ def _dead_parameters(handle: T5Handle) -> set[str]:
 
 
 def split_parameters(
-    handle: T5Handle, model: ModelConfig, optim: OptimConfig, *, adapted: Iterable[nn.Parameter] = ()
+    handle: T5Handle,
+    model: ModelConfig,
+    optim: OptimConfig,
+    *,
+    adapted: Iterable[nn.Parameter] = (),
+    unused: Iterable[nn.Parameter] = (),
 ) -> ParamSplit:
     """Decide what trains, and set `requires_grad` accordingly on the converted model.
 
-    The new parameters are T5's and those in `adapted` (a preset's re-initialised weights). `--model.trainable t5`
+    The new parameters are T5's and those in `adapted` (a preset's re-initialised weights); those in `unused` (a
+    preset's baseline leaves them out of the computation) are frozen. `--model.trainable t5`
     trains the new parameters only; `attention` adds the inherited projections and q/k norms of the converted
     modules; `all` the whole transformer. `--optim.inherited_lr_mult 0` freezes every inherited weight. The last
     block's dead text-query path is always frozen, so DDP needs no unused-parameter search.
     """
     new_ids = {id(p) for p in (*handle.t5_parameters(), *adapted)}
+    unused_ids = {id(p) for p in unused}
     converted = tuple(diffusers_module(name) + "." for name in handle.modules)
-    dead = _dead_parameters(handle)
+    dead = _dead_parameters(handle) | {name for name, p in handle.model.named_parameters() if id(p) in unused_ids}
     new, inherited, frozen = [], [], []
     for name, param in handle.model.named_parameters():
         if name in dead:
@@ -360,8 +367,8 @@ def build_model(base: nn.Module, config: TrainConfig) -> tuple[T5Handle, ParamSp
     if config.loss.feature_weight > 0 and not handle.modules:
         raise ValueError("--loss.feature_weight aligns converted modules, but --model.layers converts none.")
     preset = get_preset(config.model.base)
-    adapted = preset.adapt_student(handle, config) if preset is not None and preset.adapt_student else []
-    split = split_parameters(handle, config.model, config.optim, adapted=adapted)
+    adapted, unused = preset.adapt_student(handle, config) if preset is not None and preset.adapt_student else ([], [])
+    split = split_parameters(handle, config.model, config.optim, adapted=adapted, unused=unused)
     if config.model.rank and split.inherited:
         split = _with_low_rank(handle, split, config.model)
     if not split.new and not split.inherited:

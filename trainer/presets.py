@@ -51,9 +51,10 @@ class ModelPreset:
         card_section (`Callable[[Mapping[str, Any]], list[str]]`): the model card's validation text
             (markdown lines) for those numbers.
         card_note (`str`): a closing line for the model card (how to sample it).
-        adapt_student (`Callable[[T5Handle, TrainConfig], list[nn.Parameter]]`, *optional*): what the preset
-            changes in the converted student before its parameters are split (a baseline in place of T5,
-            re-initialised weights) -> the parameters, besides T5's, that train as new ones.
+        adapt_student (`Callable[[T5Handle, TrainConfig], tuple[list[nn.Parameter], list[nn.Parameter]]]`,
+            *optional*): what the preset changes in the converted student before its parameters are split (a
+            baseline in place of T5, re-initialised weights) -> `(new, unused)`: the parameters, besides T5's,
+            that train as new ones, and those the student no longer uses (frozen).
     """
 
     name: str
@@ -66,7 +67,7 @@ class ModelPreset:
     evaluation_name: str
     card_section: Callable[[Mapping[str, Any]], list[str]]
     card_note: str = ""
-    adapt_student: Callable[[T5Handle, TrainConfig], list[nn.Parameter]] | None = None
+    adapt_student: Callable[[T5Handle, TrainConfig], tuple[list[nn.Parameter], list[nn.Parameter]]] | None = None
 
 
 _REGISTRY: dict[str, ModelPreset] = {}
