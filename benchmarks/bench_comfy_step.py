@@ -255,6 +255,7 @@ def table(result: dict[str, Any]) -> list[str]:
         f"{meta['memory_method']}; for a composed row, the peak of the step that times its blocks (every kind "
         "of block the path has, in turn)."
     )
+    softmax = {(r["size"], r["step"]): r.get("median_ms") for r in result["rows"] if r["path"] == "softmax"}
     rows = []
     for row in result["rows"]:
         head = [f"{row['size']}x{row['size']}", f"`{row['path']}`", row["modules"], row["step"]]
@@ -266,7 +267,7 @@ def table(result: dict[str, Any]) -> list[str]:
             [
                 *head,
                 fmt_ms(row["median_ms"]),
-                fmt_x(speedup(_row(result, row["size"], "softmax", row["step"])["median_ms"], row["median_ms"])),
+                fmt_x(speedup(softmax[(row["size"], row["step"])], row["median_ms"])),
                 f"{row['attention_share']:.0%}",
                 f"{row['peak_mib']:.0f}",
                 f"{check:.3f}" if check is not None else "-",
@@ -290,11 +291,6 @@ def table(result: dict[str, Any]) -> list[str]:
     if "recomposed" in meta:
         checks.append(f"* {meta['recomposed']}")
     return [intro, "", *markdown_table(header, rows), *([""] + checks if checks else [])]
-
-
-def _row(result: dict[str, Any], size: int, path: str, step: str) -> dict[str, Any]:
-    """The row of `result` for one image size, path and kind of step."""
-    return next(r for r in result["rows"] if (r["size"], r["path"], r["step"]) == (size, path, step))
 
 
 if __name__ == "__main__":
