@@ -251,14 +251,9 @@ def _preparation_rows(resolution: int) -> list[dict]:
         counts, DECODE_BATCH, resolution**2, dtype_bytes=4, widths=VAE_DECODE_LIVE_WIDTHS
     )
     text = _run_child(resolution, "text")
-    text_counts = dataclasses.replace(
-        counts,
-        text_params=text["text_params"],
-        text_tokens=tuple(text["text_tokens"]),
-        text_widths=tuple(text["text_widths"]),
-        text_heads=tuple(text["text_heads"]),
-        text_kept=tuple(text["text_kept"]),
-    )
+    # the text child reports EncoderCounts' text fields by name (JSON lists for its tuples)
+    text_fields = {name: tuple(value) if isinstance(value, list) else value for name, value in text.items()}
+    text_counts = dataclasses.replace(counts, **{name: text_fields[name] for name in text if name.startswith("text_")})
     text_plan = text["text_params"] * 4 / GIB + text_activations_gib(text_counts, CAPTIONS, dtype_bytes=4)
     generation = _run_child(resolution, "generate")
     weights = ParamCounts(trained=0, frozen=generation["weights"], buffers=generation["buffers"], largest_block=0)
