@@ -138,7 +138,7 @@ def _measure(resolution: int) -> dict:
 
     world = init_world(config.parallel)
     student = handle.model.to(world.device).train()
-    model = parallelize(student, None, config=config, world=world)
+    model = parallelize(student, None, training=config.training, parallel=config.parallel, world=world)
     optimizer = build_optimizer(model, split, config.optim)
     scheduler = build_scheduler(optimizer, config.optim, steps=config.training.steps)
     source = _RandomSource(arch, resolution)
