@@ -159,8 +159,8 @@ def sweep_chunks(grid: tuple[int, int], args: argparse.Namespace) -> list[dict[s
 def _quantities(row: dict[str, Any], previous: dict[str, Any] | None, kind: str, path: str) -> dict[str, float]:
     """The quantities `GOALS` and the table use, of one path in one pass of a row."""
     ms = row["ms"][kind]
-    values = {"speedup": speedup(ms["sdpa"]["median_ms"], ms[path]["median_ms"])} if "sdpa" in ms else {}
-    values["fraction"] = 1 / values["speedup"] if values else None
+    ratio = speedup(ms["sdpa"]["median_ms"], ms[path]["median_ms"])
+    values = {"speedup": ratio, "fraction": 1 / ratio}
     if previous is not None and path in previous["ms"].get(kind, {}):
         values["growth"] = ms[path]["median_ms"] / previous["ms"][kind][path]["median_ms"]
     for memory in MEMORY:
@@ -185,13 +185,13 @@ def goals(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def table(result: dict[str, Any]) -> list[str]:
-    """The markdown table of one run (also of results written before `paths` and `text_tokens` were
-    recorded: these are the paths of the first timed row, and no text)."""
+    """The markdown table of one run: per grid and pass, each path's time, speedup vs SDPA, growth and
+    memory; the chunk sweep and the whole-model step below it."""
     meta, rows = result["meta"], result["rows"]
     ok = [row for row in rows if row["status"] == "ok"]
     paths = [path for path in meta["paths"] if ok and path in ok[0]["ms"]["fwd"]]
     t5 = [path for path in paths if path != "sdpa"]
-    text = meta.get("text_tokens", 0)
+    text = meta["text_tokens"]
     intro = [
         f"One attention call per path on the same inputs: batch {meta['batch']}, {meta['heads']} heads x "
         f"{meta['head_dim']}, {meta['dtype']}, an image grid"
@@ -205,9 +205,7 @@ def table(result: dict[str, Any]) -> list[str]:
     if "copy_gbs" in meta:
         peak = f"{meta['peak_gbs']:.0f} GB/s" if meta.get("peak_gbs") else "unknown"
         intro.append(f"Bandwidth: HBM peak {peak}, measured device copy {meta['copy_gbs']:.0f} GB/s.")
-    memory = {
-        kind: [p for p in paths if any(p in row.get(f"{kind}_mib", {}) for row in ok)] for kind in ("peak", "resident")
-    }
+    memory = {kind: [p for p in paths if any(p in row.get(f"{kind}_mib", {}) for row in ok)] for kind in MEMORY}
     header = ["grid", "N", "pass", *(f"`{p}` ms" for p in paths), *(f"speedup `{p}`" for p in t5)]
     header += [f"`{p}` growth" for p in paths] + [f"`{p}` {kind} MiB" for kind, of in memory.items() for p in of]
     header += ["Triton GB/s"] if any("triton_bytes" in row for row in ok) else []
