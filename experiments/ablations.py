@@ -1,17 +1,17 @@
-"""Ablations of T5 on the built-in toy: one recipe and budget for every row, three seeds, ToyEval and val loss.
+"""Ablations of T5 on the built-in toy: each row a trainer run, three seeds, ToyEval and val loss.
 
     python -m experiments.ablations                          # every row, seeds 0 1 2 (about 100 min on 2 cores)
     python -m experiments.ablations --rows t5 no-keynorm --seeds 0 --steps 20 --eval-count 12
 
-Each row starts from the shipped softmax teacher (`sd3_testbed/weights`), converts it with the
-trainer's `trainer.model.build_student` (or keeps softmax, or swaps in plain linear attention), then
-fine-tunes every parameter for the same number of steps on the same batches with the trainer's
-recipe parts and, unless flags change it, the default toy run's recipe (`python trainer/run.py`:
-steps, batch, caption dropout and `OptimConfig`): the loss of `trainer.losses` (flow matching, plus
-distillation from the frozen teacher where the row says so), the trainer's AdamW with the new
-parameters (T5 fast weights and convs, and re-initialised projections) at `new_lr_mult` times the
-inherited rate, its schedule (warm-up, then cosine) and its optimizer step (`trainer.optim`). The
-seed fixes the T5 initialisation and the fine-tune batches.
+Each row is a list of trainer flags (`python trainer/run.py`, `--model.base toy`), run by the trainer itself
+(`trainer.train.run`) on top of the sweep's budget: the default toy run's recipe (steps, batch, caption
+dropout, `OptimConfig`), which `--steps`, `--batch-size`, `--lr`, `--new-lr-mult`, `--inherited-lr-mult` and
+`--warmup` replace for every row that does not set them itself. So every row starts from the shipped softmax
+teacher, is converted by the trainer (or keeps softmax with `--model.layers none`, or takes a baseline of the
+toy preset: `toy-linear`, `toy-no-inherit`) and fine-tunes every parameter on the same batches with the
+trainer's loss, optimizer and schedule. The seed (`--training.seed`) fixes the T5 initialisation, the batches
+and the noise. Rows that do not fine-tune (`teacher`, `t5-zero-ft`) are built by the trainer's model step as
+a run of them starts.
 
 Besides ToyEval at the training size (48 px, 144 image tokens) every run reports the validation
 loss at 4x the tokens (96 px, 576 tokens); `--wide-rows` also get ToyEval at 96 px, where the paper
@@ -29,9 +29,8 @@ import logging
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -40,11 +39,9 @@ from benchmarks.timing import header_line, write_json
 from experiments import RESULTS_DIR
 from experiments.toy_cache import CACHE, toy_samples
 from sd3_testbed.artifacts import background_error, background_level, open_background_level, token_period_energy
-from sd3_testbed.baselines import PlainLinearAttention, reinit_inherited
-from sd3_testbed.data import IMAGE_SIZE, make_batch
+from sd3_testbed.data import IMAGE_SIZE
 from sd3_testbed.eval import (
     ToyEvalScore,
-    batch_loss,
     eval_set,
     sample_hits,
     score_images,
@@ -52,13 +49,13 @@ from sd3_testbed.eval import (
     toy_eval,
     validation_loss,
 )
-from sd3_testbed.model import WEIGHTS_FILE, load_toy_base
+from sd3_testbed.model import WEIGHTS_FILE
 from sd3_testbed.stats import paired_difference
-from t5core.sd3_keys import diffusers_module
-from trainer.config import LossConfig, ModelConfig, OptimConfig, TrainConfig
-from trainer.model import ParamSplit, build_student
-from trainer.optim import build_optimizer, build_scheduler, optimizer_step
-from trainer.seeds import derived_seed
+from trainer.cli import parse_args
+from trainer.config import TrainConfig
+from trainer.model import build_model, load_base
+from trainer.seeds import seed_everything
+from trainer.train import run as train
 
 logger = logging.getLogger(__name__)
 
@@ -68,225 +65,119 @@ WIDE_SIZE = 2 * IMAGE_SIZE
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One ablation: how attention is replaced, and how it is fine-tuned."""
+    """One ablation: the trainer flags that make it (on top of the sweep's budget)."""
 
     name: str
     description: str
-    attention: Literal["softmax", "t5", "linear"] = "t5"
-    layers: str = "paper"
-    joint_mode: Literal["ttt", "hybrid"] = "ttt"
-    merge: Literal["cumulant", "learned"] = "cumulant"
-    neighborhood: int = 0
-    variant: str = "swiglu"
-    key_norm_eps: float | None = 1.0
-    locality: bool = True
-    inherit: bool = True
+    flags: tuple[str, ...] = ()
     finetune: bool = True
-    distill: bool = False
-    new_lr_mult: float | None = None
-    """Replaces the recipe's new-parameter multiplier (None keeps it)."""
-    schedule: Literal["constant", "cosine"] | None = None
-    """Replaces the recipe's schedule after warm-up (None keeps it)."""
-    trainer_flags: tuple[str, ...] | None = None
-    """Trains with the trainer itself (`python trainer/run.py` with these flags, the seed as
-    `--training.seed`) instead of the sweep's loop; the other fields and the sweep's budget do not apply,
-    and the time is the trainer's whole run (transfer, fine-tune, export)."""
+    """False: converted by the trainer's model step as a run starts (from the seed), and not trained."""
 
     @property
     def is_teacher(self) -> bool:
         """The shipped teacher as it is: no randomness, and its samples are the cached reference's."""
-        return self.attention == "softmax" and not self.finetune
+        return not self.finetune and self.flags == _SOFTMAX
 
 
-_ALL_HYBRID = ("--model.layers", "all", "--model.joint_mode", "hybrid")
+_SOFTMAX = ("--model.layers", "none")
+_ALL = ("--model.layers", "all")
+_HYBRID = ("--model.joint_mode", "hybrid")
+_ALL_HYBRID = (*_ALL, *_HYBRID)
+_DISTILL = ("--loss.distill_weight", "1")
 FRONTIER_ROWS: tuple[Row, ...] = (
-    Row(
-        "run-paper", "trainer default run: paper spec, 120 full fine-tune steps (the time reference)", trainer_flags=()
-    ),
-    Row("run-all-hybrid", "trainer: `all` hybrid, 120 full fine-tune steps", trainer_flags=_ALL_HYBRID),
+    Row("run-paper", "trainer default run: paper spec, 120 full fine-tune steps (the time reference)"),
+    Row("run-all-hybrid", "trainer: `all` hybrid, 120 full fine-tune steps", _ALL_HYBRID),
     Row(
         "run-all-hybrid-2x",
         "trainer: `all` hybrid, 240 full fine-tune steps",
-        trainer_flags=(*_ALL_HYBRID, "--training.steps", "240"),
+        (*_ALL_HYBRID, "--training.steps", "240"),
     ),
     Row(
         "run-all-hybrid-4x",
         "trainer: `all` hybrid, 480 full fine-tune steps",
-        trainer_flags=(*_ALL_HYBRID, "--training.steps", "480"),
+        (*_ALL_HYBRID, "--training.steps", "480"),
     ),
     Row(
         "run-all-hybrid-transfer",
         "trainer: `all` hybrid, attention transfer only (120 steps)",
-        trainer_flags=(*_ALL_HYBRID, "--transfer.steps", "120", "--training.steps", "0"),
+        (*_ALL_HYBRID, "--transfer.steps", "120", "--training.steps", "0"),
     ),
     Row(
         "run-all-hybrid-transfer40-full",
         "trainer: `all` hybrid, a short transfer (40 steps), then 120 full fine-tune steps",
-        trainer_flags=(*_ALL_HYBRID, "--transfer.steps", "40"),
+        (*_ALL_HYBRID, "--transfer.steps", "40"),
     ),
     Row(
         "run-all-hybrid-transfer-r16-0.5x",
         "trainer: `all` hybrid, transfer (120 steps), then a rank-16 fine-tune of 60 steps",
-        trainer_flags=(*_ALL_HYBRID, "--transfer.steps", "120", "--model.rank", "16", "--training.steps", "60"),
+        (*_ALL_HYBRID, "--transfer.steps", "120", "--model.rank", "16", "--training.steps", "60"),
     ),
     Row(
         "run-all-hybrid-transfer-r16-1x",
         "trainer: `all` hybrid, transfer (120 steps), then a rank-16 fine-tune of 120 steps",
-        trainer_flags=(*_ALL_HYBRID, "--transfer.steps", "120", "--model.rank", "16"),
+        (*_ALL_HYBRID, "--transfer.steps", "120", "--model.rank", "16"),
     ),
     Row(
         "run-all-hybrid-transfer-r16-1x-lr10",
         "trainer: `all` hybrid, transfer (120 steps), then a rank-16 fine-tune of 120 steps, factors at 10x the rate",
-        trainer_flags=(
-            *_ALL_HYBRID,
-            "--transfer.steps",
-            "120",
-            "--model.rank",
-            "16",
-            "--optim.inherited_lr_mult",
-            "10",
-        ),
+        (*_ALL_HYBRID, "--transfer.steps", "120", "--model.rank", "16", "--optim.inherited_lr_mult", "10"),
     ),
 )
-"""The frontier of full linear time on the toy: quality against total training time, each row a trainer run."""
+"""The frontier of full linear time on the toy: quality against total training time (transfer, fine-tune,
+export), each row at its own steps."""
 
 ROWS: tuple[Row, ...] = (
-    Row("teacher", "softmax teacher, no fine-tune (reference)", attention="softmax", finetune=False),
-    Row("softmax-ft", "softmax, fine-tuned with the same recipe and budget", attention="softmax"),
+    Row("teacher", "softmax teacher, no fine-tune (reference)", _SOFTMAX, finetune=False),
+    Row("softmax-ft", "softmax, fine-tuned with the same recipe and budget", _SOFTMAX),
     Row("t5-zero-ft", "T5 (paper spec), zero fine-tuning", finetune=False),
     Row("t5", "T5 full: key norm, locality, swiglu, paper spec"),
-    Row("t5-distill", "T5 full, flow matching + distillation from the teacher", distill=True),
-    Row("no-inherit", "T5 with re-initialised inherited attention projections", inherit=False),
-    Row("no-keynorm", "T5 without key instance norm", key_norm_eps=None),
-    Row("no-locality", "T5 without the depthwise convs", locality=False),
-    Row("mlp", "T5 with the mlp inner model", variant="mlp"),
-    Row("linear-attn", "plain linear attention (elu+1), inherited q/k/v", attention="linear"),
-    Row("all", "T5 with the `all` layer spec (every attention module)", layers="all"),
-    Row("paper-hybrid", "T5 paper spec, joint modules hybrid (exact text, cumulant merge)", joint_mode="hybrid"),
-    Row("all-hybrid", "T5 `all`, joint modules hybrid (exact text, cumulant merge)", layers="all", joint_mode="hybrid"),
+    Row("t5-distill", "T5 full, flow matching + distillation from the teacher", _DISTILL),
+    Row("no-inherit", "T5 with re-initialised inherited attention projections", ("--model.base", "toy-no-inherit")),
+    Row("no-keynorm", "T5 without key instance norm", ("--model.key_norm_eps", "none")),
+    Row("no-locality", "T5 without the depthwise convs", ("--model.locality", "false")),
+    Row("mlp", "T5 with the mlp inner model", ("--model.variant", "mlp")),
+    Row("linear-attn", "plain linear attention (elu+1), inherited q/k/v", ("--model.base", "toy-linear")),
+    Row("all", "T5 with the `all` layer spec (every attention module)", _ALL),
+    Row("paper-hybrid", "T5 paper spec, joint modules hybrid (exact text, cumulant merge)", _HYBRID),
+    Row("all-hybrid", "T5 `all`, joint modules hybrid (exact text, cumulant merge)", _ALL_HYBRID),
     Row(
         "all-hybrid-learned",
         "T5 `all`, joint modules hybrid (exact text, cumulant + learned per-head merge bias)",
-        layers="all",
-        joint_mode="hybrid",
-        merge="learned",
+        (*_ALL_HYBRID, "--model.merge", "learned"),
     ),
     Row(
         "all-hybrid-distill",
         "T5 `all`, joint modules hybrid, flow matching + distillation from the teacher",
-        layers="all",
-        joint_mode="hybrid",
-        distill=True,
+        (*_ALL_HYBRID, *_DISTILL),
     ),
     Row(
         "paper-na",
         "T5 paper spec, image rows blended 50/50 with 5x5 neighbourhood softmax (the paper's DiT code)",
-        neighborhood=5,
+        ("--model.neighborhood", "5"),
     ),
     Row(
         "all-hybrid-na",
         "T5 `all`, joint modules hybrid, image rows blended 50/50 with 5x5 neighbourhood softmax",
-        layers="all",
-        joint_mode="hybrid",
-        neighborhood=5,
+        (*_ALL_HYBRID, "--model.neighborhood", "5"),
     ),
-    Row("new-x10", "T5 full, new parameters at 10x instead of 20x", new_lr_mult=10.0),
+    Row("new-x10", "T5 full, new parameters at 10x instead of 20x", ("--optim.new_lr_mult", "10")),
     *FRONTIER_ROWS,
-    Row("constant-lr", "T5 full, constant learning rate after warm-up instead of cosine", schedule="constant"),
+    Row(
+        "constant-lr",
+        "T5 full, constant learning rate after warm-up instead of cosine",
+        ("--optim.schedule", "constant"),
+    ),
 )
 
-
-@dataclass(frozen=True, slots=True)
-class Budget:
-    """The one recipe every fine-tuned row gets: by default the trainer's own (`python trainer/run.py`)."""
-
-    steps: int
-    batch_size: int
-    caption_dropout: float
-    optim: OptimConfig
-    distill_weight: float
-
-    @classmethod
-    def trainer_default(
-        cls,
-        *,
-        steps: int | None = None,
-        batch_size: int | None = None,
-        lr: float | None = None,
-        new_lr_mult: float | None = None,
-        inherited_lr_mult: float | None = None,
-        warmup_steps: int | None = None,
-        distill_weight: float | None = None,
-    ) -> Budget:
-        """The default toy run's recipe (`TrainConfig()`); an argument given replaces its setting."""
-        config = TrainConfig()
-        optim_changes = {
-            "lr": lr,
-            "new_lr_mult": new_lr_mult,
-            "inherited_lr_mult": inherited_lr_mult,
-            "warmup_steps": warmup_steps,
-        }
-        return cls(
-            steps=config.training.steps if steps is None else steps,
-            batch_size=config.training.batch_size if batch_size is None else batch_size,
-            caption_dropout=config.data.caption_dropout,
-            optim=replace(config.optim, **{k: v for k, v in optim_changes.items() if v is not None}),
-            distill_weight=1.0 if distill_weight is None else distill_weight,
-        )
-
-
-def build(row: Row, seed: int) -> tuple[nn.Module, list[nn.Parameter], tuple[str, ...]]:
-    """The teacher converted as `row` says; returns the model, its new parameters and converted modules."""
-    model = load_toy_base().requires_grad_(True)
-    if row.attention == "softmax":
-        return model, [], ()
-    torch.manual_seed(seed)
-    handle = build_student(
-        model,
-        ModelConfig(
-            layers=row.layers,
-            variant=row.variant,
-            key_norm_eps=row.key_norm_eps,
-            locality=row.locality,
-            joint_mode=row.joint_mode,
-            merge=row.merge,
-            neighborhood=row.neighborhood,
-            backend="torch",
-        ),
-    )
-    names = handle.config.layers
-    new = list(handle.t5_parameters())
-    if row.attention == "linear":
-        for name in names:
-            model.get_submodule(f"{diffusers_module(name)}.processor").t5 = PlainLinearAttention()
-        new = []
-    if not row.inherit:
-        new += reinit_inherited(model, names, seed=seed)
-    return model, new, names
-
-
-def finetune(
-    model: nn.Module, new: list[nn.Parameter], budget: Budget, *, seed: int, teacher: nn.Module | None, row: Row
-) -> float:
-    """Fine-tune every parameter with the trainer's loss and schedule; returns the last training loss."""
-    changes = {"new_lr_mult": row.new_lr_mult, "schedule": row.schedule}
-    optim = replace(budget.optim, **{name: value for name, value in changes.items() if value is not None})
-    optimizer = build_optimizer(model, ParamSplit.everything(model, new=new), optim)
-    scheduler = build_scheduler(optimizer, optim, steps=budget.steps)
-    loss_config = LossConfig(distill_weight=budget.distill_weight if teacher is not None else 0.0)
-    model.train()
-    loss_value = float("nan")
-    for step in range(budget.steps):
-        batch = make_batch(
-            budget.batch_size, seed=derived_seed(seed, "ablation-batch", step), drop_text=budget.caption_dropout
-        )
-        generator = torch.Generator().manual_seed(derived_seed(seed, "ablation-noise", step))
-        loss = batch_loss(model, batch, generator=generator, config=loss_config, teacher=teacher)
-        optimizer_step(loss, optimizer, scheduler, grad_clip=optim.grad_clip)
-        loss_value = loss.item()
-        logger.debug("step %d loss %.4f", step, loss_value)
-    model.eval()
-    return loss_value
+BUDGET_FLAGS: dict[str, str] = {
+    "steps": "--training.steps",
+    "batch_size": "--training.batch_size",
+    "lr": "--optim.lr",
+    "new_lr_mult": "--optim.new_lr_mult",
+    "inherited_lr_mult": "--optim.inherited_lr_mult",
+    "warmup": "--optim.warmup_steps",
+}
+"""The sweep's budget options (`--steps`, ...) and the trainer flag each one sets for every row."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,16 +189,15 @@ class EvalPlan:
     wide_rows: tuple[str, ...]
 
 
-def train_with_trainer(row: Row, seed: int) -> tuple[nn.Module, tuple[str, ...], float]:
-    """A row trained by the trainer (`Row.trainer_flags`) in a temporary folder: the model, its converted
-    modules and the last fine-tune loss (nan for a transfer-only run)."""
-    from trainer.cli import parse_args
-    from trainer.train import run as train
-
+def train_row(row: Row, seed: int, budget: tuple[str, ...] = ()) -> tuple[nn.Module, tuple[str, ...], float]:
+    """Run `row` with the trainer in a temporary folder, its flags after the sweep's `budget` flags (so a row's
+    own setting wins): the trained model, its converted modules and the last fine-tune loss (nan when it
+    does not fine-tune)."""
     with tempfile.TemporaryDirectory(prefix="t5-ablation-") as folder:
         config = parse_args(
             [
-                *row.trainer_flags,
+                *budget,
+                *row.flags,
                 "--training.seed", str(seed),
                 "--output.dir", folder,
                 "--output.toy_eval_samples", "0",
@@ -319,16 +209,20 @@ def train_with_trainer(row: Row, seed: int) -> tuple[nn.Module, tuple[str, ...],
     return result.handle.model.eval(), result.handle.config.layers, result.last.get("loss/total", float("nan"))
 
 
-def run(row: Row, seed: int, budget: Budget, plan: EvalPlan, *, teacher_raw: torch.Tensor) -> dict:
-    """One row, one seed: build, fine-tune, evaluate against the teacher's unclamped samples `teacher_raw`
+def convert_row(row: Row, seed: int, budget: tuple[str, ...] = ()) -> tuple[nn.Module, tuple[str, ...], float]:
+    """`row` built by the trainer's model step from the run's seed, as a run of it starts, and not trained: the
+    model, its converted modules and nan for the loss."""
+    config = parse_args([*budget, *row.flags, "--training.seed", str(seed)])
+    seed_everything(config.training.seed)
+    handle, _ = build_model(load_base(config.model), config)
+    return handle.model.eval(), handle.config.layers, float("nan")
+
+
+def run(row: Row, seed: int, budget: tuple[str, ...], plan: EvalPlan, *, teacher_raw: torch.Tensor) -> dict:
+    """One row, one seed: train with the trainer, evaluate against the teacher's unclamped samples `teacher_raw`
     (the teacher row reuses them instead of sampling again)."""
     start = time.perf_counter()
-    if row.trainer_flags is not None:
-        model, names, final_loss = train_with_trainer(row, seed)
-    else:
-        model, new, names = build(row, seed)
-        teacher = load_toy_base() if row.distill else None
-        final_loss = finetune(model, new, budget, seed=seed, teacher=teacher, row=row) if row.finetune else float("nan")
+    model, names, final_loss = (train_row if row.finetune else convert_row)(row, seed, budget)
     train_seconds = time.perf_counter() - start
     teacher_images = teacher_raw.clamp(0.0, 1.0)
     with torch.no_grad():
@@ -387,16 +281,30 @@ def _mean_sd(values: list[float], digits: int = 3) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
+def recipe(budget: tuple[str, ...]) -> dict:
+    """The default toy run's recipe as the sweep's `budget` flags change it: steps, batch size, caption dropout
+    and the `OptimConfig` fields (what the results record, and what a resumed sweep must match)."""
+    config: TrainConfig = parse_args(list(budget))
+    return {
+        "steps": config.training.steps,
+        "batch_size": config.training.batch_size,
+        "caption_dropout": config.data.caption_dropout,
+        "optim": asdict(config.optim),
+    }
+
+
 def summarise(
-    rows: tuple[Row, ...], results: list[dict], budget: Budget, seeds: list[int], *, teacher_hits: list[int] | None
+    rows: tuple[Row, ...], results: list[dict], budget: dict, seeds: list[int], *, teacher_hits: list[int] | None
 ) -> str:
     """A markdown table: one line per row, mean ± sd over seeds, and the paired difference against the
-    teacher (same captions and noise) with its 95% bootstrap interval over seeds and samples."""
+    teacher (same captions and noise) with its 95% bootstrap interval over seeds and samples; `budget` is the
+    sweep's `recipe`."""
+    optim = budget["optim"]
     lines = [
         header_line(),
-        f"toy ablations: {budget.steps} fine-tune steps x batch {budget.batch_size} per row, lr {budget.optim.lr:g} "
-        f"(new x{budget.optim.new_lr_mult:g}, inherited x{budget.optim.inherited_lr_mult:g}), "
-        f"{budget.optim.warmup_steps} warm-up steps then {budget.optim.schedule}, seeds {seeds}",
+        f"toy ablations: {budget['steps']} fine-tune steps x batch {budget['batch_size']} per row, lr {optim['lr']:g} "
+        f"(new x{optim['new_lr_mult']:g}, inherited x{optim['inherited_lr_mult']:g}), "
+        f"{optim['warmup_steps']} warm-up steps then {optim['schedule']}, seeds {seeds}",
         "",
         "| row | what | modules | ToyEval overall | vs teacher, paired [95% CI] | shape | size | val loss "
         "| val loss 4x tokens | ToyEval 4x tokens | dist. to teacher | background | open background "
@@ -426,13 +334,13 @@ def summarise(
     return "\n".join(lines)
 
 
-def _previous(path: Path, budget: Budget, plan: EvalPlan) -> list[dict]:
+def _previous(path: Path, budget: dict, plan: EvalPlan) -> list[dict]:
     """Results of an earlier, interrupted sweep with the same budget and evaluation (to resume), else none."""
     if not path.is_file():
         return []
     payload = json.loads(path.read_text())
     # compared as stored: JSON has lists where the dataclasses have tuples
-    wanted = json.loads(json.dumps({"budget": asdict(budget), "eval": asdict(plan)}, default=str))
+    wanted = json.loads(json.dumps({"budget": budget, "eval": asdict(plan)}, default=str))
     if any(payload["meta"].get(key) != value for key, value in wanted.items()):
         return []
     return payload["rows"]
@@ -442,14 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", default=[r.name for r in ROWS], choices=[r.name for r in ROWS])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    # Unset recipe flags keep the default toy run's recipe (trainer/config.py), so rows compare with it.
-    parser.add_argument("--steps", type=int, help="fine-tune steps per row (the same for every row)")
+    # Unset budget options keep the default toy run's recipe (trainer/config.py), so rows compare with it.
+    parser.add_argument("--steps", type=int, help="fine-tune steps of every row that does not set its own")
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--lr", type=float, help="base learning rate (the multipliers below scale it)")
     parser.add_argument("--new-lr-mult", type=float, help="new parameters' rate / inherited rate")
     parser.add_argument("--inherited-lr-mult", type=float, help="inherited weights' rate / --lr (0 freezes them)")
     parser.add_argument("--warmup", type=int)
-    parser.add_argument("--distill-weight", type=float, help="distillation weight of `distill` rows (default 1)")
     parser.add_argument("--eval-count", type=int, default=180, help="ToyEval samples (180 = every caption once)")
     parser.add_argument("--wide-count", type=int, default=60, help="ToyEval samples at 4x the tokens")
     parser.add_argument("--wide-rows", nargs="*", default=["teacher", "t5", "no-keynorm"])
@@ -457,15 +364,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON goes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    budget = Budget.trainer_default(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        new_lr_mult=args.new_lr_mult,
-        inherited_lr_mult=args.inherited_lr_mult,
-        warmup_steps=args.warmup,
-        distill_weight=args.distill_weight,
+    flags = tuple(
+        part
+        for option, flag in BUDGET_FLAGS.items()
+        if getattr(args, option) is not None
+        for part in (flag, str(getattr(args, option)))
     )
+    budget = recipe(flags)
     plan = EvalPlan(args.eval_count, args.wide_count, tuple(args.wide_rows))
     # in the order given, so the rows that matter most run first in a sweep that may be cut short
     rows = tuple(next(r for r in ROWS if r.name == name) for name in dict.fromkeys(args.rows))
@@ -474,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     teacher_hits = overall_hits(teacher_images, plan.count)
     results = _previous(args.results_dir / f"{args.json}.json", budget, plan)
     meta = {
-        "budget": asdict(budget),
+        "budget": budget,
+        "budget_flags": flags,
         "eval": asdict(plan),
         "seeds": args.seeds,
         "teacher_hits": teacher_hits,
@@ -486,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:
             if any(r["row"] == row.name and r["seed"] == seed for r in results):
                 continue
-            result = run(row, seed, budget, plan, teacher_raw=teacher_raw)
+            result = run(row, seed, flags, plan, teacher_raw=teacher_raw)
             results.append(result)
             print(
                 f"{row.name:12s} seed {seed}: ToyEval {result['toyeval']['overall']:.3f}, val loss "

@@ -55,17 +55,20 @@ def test_the_teacher_row_is_the_cached_reference(tmp_path):
 
 _TRAINER_ROW = """
 import math
-from experiments.ablations import FRONTIER_ROWS, Row, train_with_trainer
-assert all(row.trainer_flags is not None for row in FRONTIER_ROWS)
+from experiments.ablations import ROWS, Row, train_row
+from trainer.cli import parse_args
+for row in ROWS:
+    parse_args(["--training.steps", "3", *row.flags])
 flags = ("--model.layers", "all", "--model.joint_mode", "hybrid", "--transfer.steps", "1", "--model.rank", "2",
-         "--training.steps", "1", "--training.batch_size", "2")
-model, names, loss = train_with_trainer(Row("tiny", "a tiny trainer run", trainer_flags=flags), 0)
+         "--training.steps", "1")
+model, names, loss = train_row(Row("tiny", "a tiny trainer run", flags), 0, ("--training.batch_size", "2"))
 assert not model.training and math.isfinite(loss)
 print(len(names))
 """
 
 
-def test_a_trainer_row_trains_with_the_trainer_and_returns_its_model():
+def test_every_row_is_a_trainer_run_and_returns_its_model():
+    """Each row's flags are a valid trainer config; a row trains with the trainer on the sweep's budget."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(
         [sys.executable, "-c", _TRAINER_ROW], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
