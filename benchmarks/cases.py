@@ -37,6 +37,7 @@ PATHS = {
     "t5": "`T5Attention` on `--backend`, T5 over all tokens",
     "hybrid": "`T5Attention(exact_text=True)`: exact softmax wherever text takes part, T5 between image tokens",
     "hybrid_na": "hybrid with the 5x5 neighbourhood softmax blended into the image rows (`neighborhood=5`)",
+    "t5_image": "the hybrid's T5 part alone: `T5Attention` on `--backend` over the image tokens only",
     "triton": "`T5Attention` on the fused Triton kernels",
 }
 """Every path a case runs, by name."""
@@ -121,6 +122,9 @@ class AttentionCase:
             return t5_attention_ref(q, k, v, **self.parameters())
         if path == "chunked":
             return t5_attention_chunked(q, k, v, chunk_tokens=chunk_tokens, **self.parameters())
+        if path == "t5_image":
+            t = self.text
+            return self.module(q[:, t:], k[:, t:], v[:, t:], grid=self.layout["grid"])
         if path not in self._modules:
             args = self._args
             module = T5Attention(args.heads, args.head_dim, **{"backend": self.backend, **_MODULE_OPTIONS[path]})
@@ -161,7 +165,7 @@ class AttentionCase:
     def check(self, path: str) -> tuple[float, float] | None:
         """`(relative RMS error, bound)` of `path` against what it must equal, or None for a path that is a
         reference itself: T5 over all tokens against the fp32 reference, a hybrid's text rows against SDPA's."""
-        if path in ("sdpa", "ref") or (path.startswith("hybrid") and not self.text):
+        if path in ("sdpa", "ref", "t5_image") or (path.startswith("hybrid") and not self.text):
             return None
         out = self.forward(path)().float()
         bound = (CHUNKED_RATIO if path == "chunked" else KERNEL_RATIO)[self.dtype]

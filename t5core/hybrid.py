@@ -155,24 +155,39 @@ class TextPart(NamedTuple):
         offset = _log_count(m)
         if self.merge_bias is not None:
             offset = offset + self.merge_bias.float().view(1, -1, 1)
-        text = _augmented_text(*(x.float().transpose(1, 2) for x in (self.keys, self.values)))
-        return ImageRowMerge(text, mean, half_covariance(centred_products, m), offset)
+        k_text, v_text = (x.float().transpose(1, 2) for x in (self.keys, self.values))
+        scaled_keys = (k_text * k_text.shape[-1] ** -0.5).transpose(-1, -2).contiguous()
+        return ImageRowMerge(scaled_keys, v_text.contiguous(), mean, half_covariance(centred_products, m), offset)
 
 
 class ImageRowMerge(NamedTuple):
-    """`alpha o_t + (1 - alpha) o_i` for any chunk of image queries: the augmented text keys and values,
-    the image keys' mean `(B, H, 1, D)`, (scale^2 / 2) S `(B, H, D, D)` and log M (+ the merge bias)."""
+    """`alpha o_t + (1 - alpha) o_i` for any chunk of image queries, from the text keys times scale,
+    transposed `(B, H, D, T)`, the text values `(B, H, T, D)`, the image keys' mean `(B, H, 1, D)`,
+    (scale^2 / 2) S `(B, H, D, D)` and log M (+ the merge bias)."""
 
-    text: tuple[Tensor, Tensor]
+    scaled_keys: Tensor
+    values: Tensor
     mean: Tensor
     half_cov: Tensor
     offset: Tensor
     """log M (0-dim), or log M + the merge bias `(1, H, 1)`."""
 
     def __call__(self, q_BHND: Tensor, o_image: Tensor) -> Tensor:
-        """The image rows for fp32 queries `q_BHND` `(B, H, n, D)` whose T5 output is `o_image`."""
+        """The image rows for fp32 queries `q_BHND` `(B, H, n, D)` whose T5 output is `o_image` (a chunk
+        temporary, overwritten).
+
+        One softmax over the text scores and log Z_i, written as
+        `(sum_t e^(s_t - c) v_t + e^(log Z_i - c) o_i) / (sum_t e^(s_t - c) + e^(log Z_i - c))` with c the
+        largest of them: the chunk's (n, T) scores are a temporary in cache, where a fused attention call
+        over an extra key (`_image_rows`) runs at a lower rate for so few keys.
+        """
         log_z_image = self.offset + _estimate(q_BHND, self.mean, self.half_cov)
-        return _image_rows(q_BHND, self.text, log_z_image, o_image)
+        scores = q_BHND @ self.scaled_keys
+        peak = torch.maximum(scores.amax(-1), log_z_image).unsqueeze(-1)
+        weights = scores.sub_(peak).exp_()
+        image_weight = (log_z_image.unsqueeze(-1) - peak).exp_()
+        total = weights.sum(-1, keepdim=True).add_(image_weight)
+        return (weights @ self.values).add_(o_image.mul_(image_weight)).div_(total)
 
 
 def text_rows(q_text: Tensor, k: Tensor, v: Tensor) -> Tensor:
