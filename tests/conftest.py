@@ -2,9 +2,10 @@
 
 Without CUDA the Triton kernels are tested under Triton's CPU interpreter, and Triton decides
 interpreted vs compiled for every `@triton.jit` function, its own `triton.language` helpers
-included, when that function is defined. Other code imports Triton too (torch, diffusers, ComfyUI),
-so this file imports it first, with `TRITON_INTERPRET=1`, and then restores the variable: the
-kernel tests set it again per test (tests/t5kernels/conftest.py), every other test keeps the torch path.
+included, when that function is defined. Other code imports Triton and the kernels too (torch,
+diffusers, ComfyUI, the benchmarks' tests at collection), so this file imports `t5kernels` first,
+with `TRITON_INTERPRET=1`, and then restores the variable: the kernel tests set it again per test
+(tests/t5kernels/conftest.py), every other test keeps the torch path.
 
 The shared fixtures (ComfyUI and its tiny model) live in `testing.fixtures`, registered here for every test.
 """
@@ -18,7 +19,7 @@ if not torch.cuda.is_available():
     _previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        import triton.language  # noqa: F401
+        import t5kernels  # noqa: F401
     except ImportError:
         pass  # the kernel tests skip with "triton is not installed"
     finally:

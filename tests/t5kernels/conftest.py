@@ -1,43 +1,24 @@
 """Fixtures for the kernel tests: where the kernels run, and NaN-poisoned allocations.
 
 Triton decides at decoration time (when `t5kernels` is imported) whether kernels are compiled for
-the GPU or run by its CPU interpreter. Without CUDA, this file imports `t5kernels` with
-`TRITON_INTERPRET=1` and then restores the variable, so the rest of the test process (hosts,
-trainer) still dispatches CPU tensors to the torch path. The `device` fixture sets the variable
-again for each kernel test, which is what `t5kernels.unsupported_reason` checks at call time. With
-CUDA, the kernels are compiled and the same cases run on the GPU.
+the GPU or run by its CPU interpreter. Without CUDA, tests/conftest.py imports `t5kernels` with
+`TRITON_INTERPRET=1` before anything else and then restores the variable, so the rest of the test
+process (hosts, trainer) still dispatches CPU tensors to the torch path. The `device` fixture sets the
+variable again for each kernel test, which is what `t5kernels.unsupported_reason` checks at call time.
+With CUDA, the kernels are compiled and the same cases run on the GPU.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 
+from t5kernels import support
+
 _CUDA = torch.cuda.is_available()
 _ENV = "TRITON_INTERPRET"
-
-
-def _import_kernels_for_interpreter() -> None:
-    if _CUDA or "t5kernels" in sys.modules:
-        return
-    previous = os.environ.get(_ENV)
-    os.environ[_ENV] = "1"
-    try:
-        import t5kernels  # noqa: F401
-    finally:
-        if previous is None:
-            del os.environ[_ENV]
-        else:
-            os.environ[_ENV] = previous
-
-
-_import_kernels_for_interpreter()
-
-from t5kernels import support  # noqa: E402
 
 
 @pytest.fixture
