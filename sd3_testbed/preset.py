@@ -2,7 +2,8 @@
 and model-card section. Two ablations of the toy are presets of their own, the same toy with a changed
 student (`sd3_testbed.baselines`): `toy-linear` runs plain elu+1 linear attention on the inherited q/k/v in
 place of T5, and `toy-no-inherit` re-initialises the converted modules' inherited attention weights, which
-then train at the new parameters' rate.
+then train at the new parameters' rate. No T5 weights file holds either student, so their runs write none
+(`ModelPreset.exports`).
 
 Importing this module registers the preset (`trainer.presets`); the trainer imports it the first
 time it looks the name up.
@@ -123,9 +124,8 @@ def _source(data: DataConfig) -> ToySource:
 
 
 def _plain_linear(handle: T5Handle, config: TrainConfig) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """Plain linear attention in place of each converted module's T5 computation. The T5 modules stay in the
-    model, unused and frozen, so the run still exports a loadable file (with them as initialised: the file
-    records the baseline's inherited-weight deltas, it is not a T5 model to sample with)."""
+    """Plain linear attention in place of each converted module's T5 computation; the T5 modules stay in the
+    model, unused and frozen."""
     for module in handle.modules.values():
         module.forward = PlainLinearAttention().forward
     return [], list(handle.t5_parameters())
@@ -155,6 +155,8 @@ def _toy_preset(
             card_note=f"The toy model samples with `ModelSamplingSD3` shift {TOY_SHIFT} and its own captions; "
             "see docs/toy.md.",
             adapt_student=adapt_student,
+            # a changed student is a baseline: no T5 weights file holds it
+            exports=adapt_student is None,
         )
     )
 

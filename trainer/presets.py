@@ -55,6 +55,9 @@ class ModelPreset:
             *optional*): what the preset changes in the converted student before its parameters are split (a
             baseline in place of T5, re-initialised weights) -> `(new, unused)`: the parameters, besides T5's,
             that train as new ones, and those the student no longer uses (frozen).
+        exports (`bool`, *optional*, defaults to True): False for a baseline whose student a T5 weights
+            file cannot hold (another attention in place of T5, re-initialised base weights): its runs
+            train and evaluate it and write no weights file, report, card or copy.
     """
 
     name: str
@@ -68,6 +71,7 @@ class ModelPreset:
     card_section: Callable[[Mapping[str, Any]], list[str]]
     card_note: str = ""
     adapt_student: Callable[[T5Handle, TrainConfig], tuple[list[nn.Parameter], list[nn.Parameter]]] | None = None
+    exports: bool = True
 
 
 _REGISTRY: dict[str, ModelPreset] = {}
@@ -105,7 +109,8 @@ def check_config(config: TrainConfig) -> None:
     Raises:
         ValueError: names the flag to change: a preset base with another data source, a preset's
             data source with another base, a source that reads a path without one, data settings
-            the preset cannot use, or `--validation.enabled` for a preset (it has its own evaluation).
+            the preset cannot use, `--validation.enabled` for a preset (it has its own evaluation), or a
+            ComfyUI copy or Hub upload for a preset that writes no weights file.
     """
     preset, source, owned = get_preset(config.model.base), config.data.source, preset_data_sources()
     if source != "prompts" and source not in owned and not config.data.path:
@@ -125,5 +130,12 @@ def check_config(config: TrainConfig) -> None:
             f"--validation.enabled: the {preset.name} base is evaluated after training by its own "
             f"{preset.evaluation_name}; leave --validation.enabled off for it."
         )
+    if preset is not None and not preset.exports:
+        for flag, value in (("comfyui", config.output.comfyui), ("push_to_hub", config.output.push_to_hub)):
+            if value:
+                raise ValueError(
+                    f"--output.{flag}: the {preset.name} base is a baseline whose runs write no T5 weights "
+                    f"file to copy or upload; leave --output.{flag} empty for it."
+                )
     if preset is not None:
         preset.build_source(config.data)

@@ -36,8 +36,10 @@ def _summary(result: RunResult) -> str:
     loss = result.last.get("loss/total")
     why = "--training.steps reached" if result.stop_reason == "steps" else "--training.max_minutes spent"
     loss_text = f", last loss {loss:.4f}" if loss is not None else ""
-    report = result.output_dir / "report.md"
-    return f"trained to step {result.step} ({why}){loss_text}; wrote {result.weights} and {report}"
+    done = f"trained to step {result.step} ({why}){loss_text}"
+    if result.weights is None:
+        return f"{done}; a baseline: no weights file written"
+    return f"{done}; wrote {result.weights} and {result.output_dir / 'report.md'}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,12 +57,13 @@ class RunResult(LoopResult):
     or `time`, the `last` step's metrics, the loop's `seconds`), its files and the student.
 
     Attributes:
-        output_dir: the run's folder. weights: the exported T5 weights file.
+        output_dir: the run's folder. weights: the exported T5 weights file (None for a preset that exports
+            none, `ModelPreset.exports`).
         handle: the converted student (unwrapped; its parameters are shards under FSDP2).
     """
 
     output_dir: Path
-    weights: Path
+    weights: Path | None
     handle: T5Handle
 
 
@@ -287,14 +288,21 @@ def _run(config: TrainConfig, world: World) -> RunResult:
     _log_built(config, handle, world, start.step)
     result = train_loop(parts, start=start)
 
-    weights = export_run(config, handle, split, world, record=record, steps=result.step)
+    preset = get_preset(config.model.base)
+    weights = None
+    if preset is None or preset.exports:
+        weights = export_run(config, handle, split, world, record=record, steps=result.step)
     evaluation = _evaluate(config, handle, world, output)
     if validator is not None:
         evaluation |= validator.report(parts.metrics.path, step=result.step)
-    report = run_report(
-        config, result, weights=weights, world=world, handle=handle, split=split, memory=memory, evaluation=evaluation
-    )
-    _on_main(world, lambda: publish(config, report, weights, comfyui=comfyui, hub=hub))
+    if weights is None:
+        logger.info("the %s base is a baseline a T5 weights file cannot hold: no file written", config.model.base)
+    else:
+        report = run_report(
+            config, result, weights=weights, world=world, handle=handle, split=split, memory=memory,
+            evaluation=evaluation,
+        )  # fmt: skip
+        _on_main(world, lambda: publish(config, report, weights, comfyui=comfyui, hub=hub))
     # Leave together: a rank that tears down its process group while rank 0 still writes can abort gloo.
     world.barrier()
     return RunResult(

@@ -103,3 +103,26 @@ def test_toy_no_inherit_reinitialises_the_converted_projections_which_train_as_n
     params = dict(handle.model.named_parameters())
     weights = [name for name in moved if name.endswith("to_q.weight")]
     assert weights and not any(torch.equal(params[name], base[name]) for name in weights)
+
+
+@pytest.mark.parametrize("base", ["toy-linear", "toy-no-inherit"])
+def test_a_baseline_trains_and_writes_no_weights_file(tmp_path, base):
+    """No T5 weights file holds a baseline's student (another attention, re-initialised base weights): its
+    run trains it and writes no file, report or card that would pass it off as one."""
+    from trainer.train import run
+
+    config = parse_args(
+        [
+            "--model.base", base, "--training.steps", "1", "--training.batch_size", "2",
+            "--output.dir", str(tmp_path), "--output.progress", "false", "--output.toy_eval_samples", "0",
+        ]
+    )  # fmt: skip
+    result = run(config)
+    assert result.step == 1 and result.weights is None
+    assert not any((tmp_path / name).exists() for name in ("t5.safetensors", "report.json", "README.md"))
+
+
+@pytest.mark.parametrize("flag", ["--output.comfyui", "--output.push_to_hub"])
+def test_a_baseline_refuses_a_copy_or_upload(tmp_path, flag):
+    with pytest.raises(ValueError, match=f"{flag}: the toy-linear base is a baseline"):
+        parse_args(["--model.base", "toy-linear", flag, str(tmp_path)])
