@@ -7,10 +7,10 @@
         --model-step 1024 2048                                           # the kernels: benchmarks/gpu_check.sh
 
 Every path of `--paths` (`benchmarks.cases.PATHS`) runs on one `benchmarks.cases.AttentionCase` per
-grid (`HxW` or a square number of image tokens, `--text` text tokens first); on CUDA every SDPA call is
-pinned to FlashAttention. Each grid is checked first (`AttentionCase.check`); a failure makes the row
-FAIL and nothing is timed. Without a usable Triton the `triton` path is left out and the row says why
-(TRITON_INTERPRET=1 runs the kernels slowly on CPU).
+grid (`HxW` or a square number of image tokens, `--text` text tokens first); on CUDA the `sdpa` baseline
+(and the softmax model of `--model-step`) is pinned to FlashAttention. Each grid is checked first
+(`AttentionCase.check`); a failure makes the row FAIL and nothing is timed. Without a usable Triton the
+`triton` path is left out and the row says why (TRITON_INTERPRET=1 runs the kernels slowly on CPU).
 
 Time: after one warm-up call of each path, `--rounds` rounds each time every path in turn (the median
 of two calls, `benchmarks.timing.time_in_turn`), so on a shared machine the paths see the same load;
@@ -389,9 +389,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     print(header_line())
+    rows = [measure(grid, args) for grid in args.grids]
+    sweep = sweep_chunks(max(args.grids, key=lambda g: g[0] * g[1]), args) if args.chunk_sweep else []
+    # the softmax model's attention on FlashAttention, as the `sdpa` path's (`AttentionCase.call`)
     with softmax_backend(args.device):
-        rows = [measure(grid, args) for grid in args.grids]
-        sweep = sweep_chunks(max(args.grids, key=lambda g: g[0] * g[1]), args) if args.chunk_sweep else []
         model_step = model_step_rows(args) if args.model_step else []
     meta = {
         "paths": args.paths,
