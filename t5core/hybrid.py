@@ -1,7 +1,7 @@
 """Joint attention with exact text ("hybrid"): softmax wherever text takes part, T5 between image tokens.
 
 Legend: B batch, N tokens, H heads, D head dim, T text tokens, M = N - T image tokens; tensors in
-head-major layout carry the suffix ``_BHND`` (``_BHMT``: image queries x text keys).
+head-major layout carry the suffix ``_BHND``.
 
 Softmax attention of a query q over all keys splits exactly into a text part and an image part,
 weighted by their partition sums (scale = D^-0.5):
@@ -90,12 +90,12 @@ def image_log_partition(q_BHND: Tensor, k_BHND: Tensor, *, rows: int = IMAGE_QUE
     m = k_BHND.shape[-2]
     mean = k_BHND.mean(dim=-2, keepdim=True)
     centred = k_BHND - mean
-    half_cov = half_covariance(centred.transpose(-1, -2) @ centred, m)
+    half_cov = _half_covariance(centred.transpose(-1, -2) @ centred, m)
     slabs = [_estimate(q_rows, mean, half_cov) for q_rows in q_BHND.split(rows, dim=-2)]
     return _log_count(m) + torch.cat(slabs, dim=-1)
 
 
-def half_covariance(centred_products: Tensor, m: int) -> Tensor:
+def _half_covariance(centred_products: Tensor, m: int) -> Tensor:
     """(scale^2 / 2) S from the keys' summed centred outer products `(..., D, D)` over `m` keys: the
     estimate's quadratic term folded into one matrix per sample and head."""
     scale = centred_products.shape[-1] ** -0.5
@@ -157,7 +157,7 @@ class TextPart(NamedTuple):
             offset = offset + self.merge_bias.float().view(1, -1, 1)
         k_text, v_text = (x.float().transpose(1, 2) for x in (self.keys, self.values))
         scaled_keys = (k_text * k_text.shape[-1] ** -0.5).transpose(-1, -2).contiguous()
-        return ImageRowMerge(scaled_keys, v_text.contiguous(), mean, half_covariance(centred_products, m), offset)
+        return ImageRowMerge(scaled_keys, v_text.contiguous(), mean, _half_covariance(centred_products, m), offset)
 
 
 class ImageRowMerge(NamedTuple):
@@ -191,10 +191,11 @@ class ImageRowMerge(NamedTuple):
 
 
 def text_rows(q_text: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Text queries' softmax attention over every key, fp32 `(B, H, T, D)`, from host-layout
-    `(B, T, H, D)` queries and `(B, N, H, D)` keys and values as they are (no copy for fp32 inputs)."""
-    q_t, k_all, v_all = (x.float().transpose(1, 2) for x in (q_text, k, v))
-    return F.scaled_dot_product_attention(q_t, k_all, v_all)
+    """Text queries' softmax attention over every key, `(B, H, T, D)` in fp32, from host-layout `(B, T, H, D)`
+    queries and `(B, N, H, D)` keys and values as they are: in their dtype, as the original model attends
+    (no copy of the keys and values; the fused kernels accumulate in fp32)."""
+    q_t, k_all, v_all = (x.transpose(1, 2) for x in (q_text, k, v))
+    return F.scaled_dot_product_attention(q_t, k_all, v_all).float()
 
 
 def hybrid_attention(

@@ -132,9 +132,10 @@ def _key_moments(k: Tensor, chunks: list[Chunk], *, full: bool) -> tuple[Tensor,
     return mean, m2
 
 
-def _norm_stats(mean: Tensor, m2: Tensor, count: int, eps: float) -> tuple[Tensor, Tensor]:
-    """The key norm's mean and 1 / sqrt(biased variance + eps), `(B, 1, H, D)`, from `_key_moments`."""
-    if m2.shape != mean.shape:
+def _norm_stats(mean: Tensor, m2: Tensor, count: int, eps: float, *, full: bool) -> tuple[Tensor, Tensor]:
+    """The key norm's mean and 1 / sqrt(biased variance + eps), `(B, 1, H, D)`, from `_key_moments` (with
+    `full`, the variances are the diagonal of its outer products)."""
+    if full:
         m2 = m2.diagonal(dim1=-2, dim2=-1).unsqueeze(1)
     return mean, torch.rsqrt(m2 / count + eps)
 
@@ -238,11 +239,12 @@ def _forward(
     (`params.weights` in fp32). With `text`, `q, k, v` are a hybrid call's image tokens and each
     chunk's T5 output is merged with exact attention over the text as it is computed (`t5core.hybrid`)."""
     weights, q_conv, k_conv = params
-    moments = None
-    if layout.key_norm_eps is not None or text is not None:
-        moments = _key_moments(k, plan.chunks, full=text is not None)
-    stats = None if layout.key_norm_eps is None else _norm_stats(*moments, layout.tokens, layout.key_norm_eps)
-    merge = None if text is None else text.merger(moments[0].transpose(1, 2), moments[1], layout.tokens)
+    moments, full = None, text is not None
+    if layout.key_norm_eps is not None or full:
+        moments = _key_moments(k, plan.chunks, full=full)
+    eps, count = layout.key_norm_eps, layout.tokens
+    stats = None if eps is None else _norm_stats(*moments, count, eps, full=full)
+    merge = None if text is None else text.merger(moments[0].transpose(1, 2), moments[1], count)
     keys = _key_prepare(stats)
     c = layout.head_dim**-0.5 / layout.tokens
     sums = None
@@ -401,6 +403,11 @@ class _ChunkedT5Function(torch.autograd.Function):
         )
 
 
+def _check_chunk_tokens(chunk_tokens: int) -> None:
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be a positive int; got {chunk_tokens!r}. Use e.g. {DEFAULT_CHUNK_TOKENS}.")
+
+
 def chunked_attention(
     q: Tensor, k: Tensor, v: Tensor, params: T5Params, layout: T5Layout, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 ) -> Tensor:
@@ -420,8 +427,7 @@ def chunked_attention(
     Raises:
         ValueError: `chunk_tokens` is not a positive int.
     """
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be a positive int; got {chunk_tokens!r}. Use e.g. {DEFAULT_CHUNK_TOKENS}.")
+    _check_chunk_tokens(chunk_tokens)
     plan = TokenChunks(
         layout.tokens,
         chunk_tokens,
@@ -487,7 +493,11 @@ def chunked_hybrid_attention(
 
     Returns:
         `(B, N, H, D)` in the dtype of `q`.
+
+    Raises:
+        ValueError: `chunk_tokens` is not a positive int.
     """
+    _check_chunk_tokens(chunk_tokens)
     text, first = layout.text_tokens, layout.text_first
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     (q_img, q_txt), (k_img, k_txt), (v_img, v_txt) = (split_image(x, text, first) for x in (q, k, v))

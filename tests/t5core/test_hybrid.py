@@ -210,3 +210,12 @@ def test_the_cumulant_is_exact_for_gaussian_keys():
 def test_merge_must_be_known():
     with pytest.raises(ValueError, match="merge must be one of"):
         T5Attention(2, 8, exact_text=True, merge="gate")
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, -4, 2.5, True])
+def test_one_pass_refuses_a_bad_chunk_size(chunk_tokens):
+    module = _module()
+    q, k, v = torch.randn(3, 1, 3 * 4 + 5, 2, 8).unbind(0)
+    params, layout = check_call(q, k, v, weights=module.fast_weights(), grid=(3, 4), text_tokens=5)
+    with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
+        t5core.ttt_chunked.chunked_hybrid_attention(q, k, v, params, layout, chunk_tokens=chunk_tokens)
