@@ -17,6 +17,7 @@ import importlib
 import json
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from benchmarks.timing import RESULTS_DIR, SPEEDUP_VS_SOFTMAX
 
@@ -43,15 +44,27 @@ limit. Its JSON files, copied into `benchmarks/results/`, get their sections on 
 `python -m benchmarks.report`."""
 
 
+def _owner(name: str, script: str | None) -> ModuleType:
+    """The module `script` that owns the result file `name`: one defining TITLE and table(result)."""
+    module = None
+    if script:
+        try:
+            module = importlib.import_module(script)
+        except ModuleNotFoundError as error:
+            if not (script == error.name or script.startswith(f"{error.name}.")):
+                raise  # the module exists, but something it imports does not
+    if not (hasattr(module, "TITLE") and hasattr(module, "table")):
+        raise ValueError(
+            f"{name}: meta['script'] is {script!r}, which is not an importable module defining TITLE and "
+            "table(result); write results with benchmarks.timing.publish(..., table=table)."
+        )
+    return module
+
+
 def _section(name: str, result: dict) -> list[str]:
     meta = result["meta"]
     script = meta.get("script")
-    module = importlib.import_module(script) if script else None
-    if not (hasattr(module, "TITLE") and hasattr(module, "table")):
-        raise ValueError(
-            f"{name}: meta['script'] is {script!r}, which is not a module defining TITLE and table(result); "
-            "write results with benchmarks.timing.publish(..., table=table)."
-        )
+    module = _owner(name, script)
     measured = f"Measured on {meta['device']}, torch {meta['torch']}, Triton {meta['triton']}, commit {meta['commit']}."
     return [f"## {module.TITLE} (`{name}`)", "", f"`python -m {script}`. {measured}", "", *module.table(result), ""]
 
@@ -61,7 +74,7 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
     ordered by owner module, then file name.
 
     Raises:
-        ValueError: a result file without an owner module (`meta["script"]`).
+        ValueError: a result file whose `meta["script"]` is no importable module with TITLE and table.
     """
     results = {path.name: json.loads(path.read_text(encoding="utf-8")) for path in results_dir.glob("*.json")}
     lines = [INTRO, ""]

@@ -26,13 +26,14 @@ import torch
 from t5core.atomic import write_text_atomic
 
 __all__ = [
-    "RESULTS_DIR", "SPEEDUP_VS_SOFTMAX", "environment", "fmt_ms", "fmt_x", "header_line", "markdown_table", "publish",
-    "speedup", "spread", "stored_table", "summarize", "time_call", "time_fn", "time_in_turn", "write_json",
+    "RESULTS_DIR", "SPEEDUP_VS_SOFTMAX", "environment", "fmt_ms", "fmt_x", "header_line", "markdown_table",
+    "owner_module", "publish", "speedup", "spread", "summarize", "time_call", "time_fn", "time_in_turn", "write_json",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 SPEEDUP_VS_SOFTMAX = "speedup vs softmax (softmax time / T5 time)"
 """The label of every speed ratio against softmax: above 1 means T5 is faster."""
@@ -119,13 +120,12 @@ def time_in_turn(
 
 
 def _git_commit() -> str:
-    root = Path(__file__).resolve().parent.parent
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT, capture_output=True, text=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -181,6 +181,28 @@ def write_json(
     return path
 
 
+def owner_module(table: Callable[..., Any]) -> str:
+    """The importable name of the module defining `table`, which `benchmarks.report` imports to render a
+    result. A script run as a file (`python benchmarks/NAME.py`) is `__main__`: its name comes from its path.
+
+    Raises:
+        ValueError: `table` is defined in a `__main__` that is no Python file of the repository.
+    """
+    if table.__module__ != "__main__":
+        return table.__module__
+    main = sys.modules["__main__"]
+    if main.__spec__ is not None:  # run with `python -m`
+        return main.__spec__.name
+    file = getattr(main, "__file__", None)
+    path = Path(file).resolve() if file else None
+    if path is None or path.suffix != ".py" or not path.is_relative_to(REPO_ROOT):
+        raise ValueError(
+            f"{table.__qualname__} is defined in __main__ ({file or 'no file'}), which is no module of the "
+            f"repository {REPO_ROOT} that benchmarks.report could import: run it as python -m benchmarks.NAME."
+        )
+    return ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+
+
 def publish(
     name: str,
     rows: list[dict[str, Any]],
@@ -191,16 +213,13 @@ def publish(
     write: bool = True,
 ) -> dict[str, Any]:
     """Print the markdown table of a run, as `benchmarks/README.md` will show it, and write its JSON
-    (`write_json`) when `write`, recording the module that defines `table` as `meta["script"]`: the
-    owner `benchmarks.report` renders the file with.
+    (`write_json`) when `write`, recording the module that defines `table` (`owner_module`) as
+    `meta["script"]`: the owner `benchmarks.report` renders the file with.
 
     Returns:
         The result, `{"meta": ..., "rows": ...}`.
     """
-    script = table.__module__
-    if script == "__main__":
-        script = sys.modules["__main__"].__spec__.name
-    result = {"meta": {**environment(), "script": script, **meta}, "rows": rows}
+    result = {"meta": {**environment(), "script": owner_module(table), **meta}, "rows": rows}
     print("\n".join(table(result)))
     if write:
         print(f"wrote {write_json(name, rows, result['meta'], directory=directory)}")
@@ -222,10 +241,3 @@ def markdown_table(header: Iterable[str], rows: Iterable[Iterable[Any]]) -> list
     header = list(header)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-
-
-def stored_table(result: dict[str, Any]) -> list[str]:
-    """The table a script stored as text in `meta["table"]` (a header line, a description line, a blank
-    line, then the table), as a report section: the description, a blank line and the table."""
-    lines = result["meta"]["table"].splitlines()
-    return [lines[1] + ".", "", *lines[3:]]
