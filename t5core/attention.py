@@ -25,7 +25,7 @@ from t5core.contract import T5Layout, Variant, check_call, fast_weight_names
 from t5core.hybrid import MERGES, Merge, hybrid_attention
 from t5core.neighborhood import NEIGHBORHOOD_BLEND, check_neighborhood, neighborhood_attention
 from t5core.ttt import split_image
-from t5core.ttt_chunked import chunked_hybrid_attention
+from t5core.ttt_chunked import chunked_hybrid_attention, records_autograd
 
 __all__ = ["FastWeights", "T5Attention", "file_name", "param_name"]
 
@@ -231,7 +231,7 @@ class T5Attention(nn.Module):
         part is a T5 call of its own (autograd, the kernels, the blend) and the merge follows it."""
         if self.neighborhood:
             return False
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *self.parameters())):
+        if records_autograd(q, k, v, *self.parameters()):
             return False
         return resolve_backend(self.backend, q, variant=self.variant) == "torch"
 

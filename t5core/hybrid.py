@@ -102,10 +102,16 @@ def _half_covariance(centred_products: Tensor, m: int) -> Tensor:
     return centred_products * (0.5 * scale * scale / m)
 
 
-def _augmented_text(k_text: Tensor, v_text: Tensor) -> tuple[Tensor, Tensor]:
-    """Text keys and values `(B, H, T, D)` plus one extra key standing for the image part (`_image_rows`):
-    `(B, H, T + 1, W)`, W = D + 1 on a CPU, else D + 1 padded to a multiple of 8 (CUDA's fused
-    kernels want that head dim)."""
+def _image_rows(q_BHND: Tensor, k_text: Tensor, v_text: Tensor, log_z_image: Tensor, o_image: Tensor) -> Tensor:
+    """Image queries' output `alpha o_t + (1 - alpha) o_i` from one softmax over the text keys `(B, H, T, D)`
+    plus one extra key standing for the image part.
+
+    The extra key's score is log Z_i (a query channel holding log Z_i / scale against a key channel
+    holding 1) and its value is an indicator channel, so one fused attention call returns
+    `alpha o_t` in the value channels and `1 - alpha` in the indicator: no (queries, text) score
+    matrix is kept for the backward, and the partition sums never leave log space. The head dim is
+    D + 1 on a CPU, else padded to a multiple of 8 (CUDA's fused kernels want that).
+    """
     *batch, t, dim = k_text.shape
     width = dim + 1 if k_text.device.type == "cpu" else -(-(dim + 1) // 8) * 8
     k_aug = k_text.new_zeros(*batch, t + 1, width)
@@ -114,23 +120,8 @@ def _augmented_text(k_text: Tensor, v_text: Tensor) -> tuple[Tensor, Tensor]:
     v_aug = torch.zeros_like(k_aug)
     v_aug[..., :-1, :dim] = v_text
     v_aug[..., -1, dim] = 1.0
-    return k_aug, v_aug
-
-
-def _image_rows(q_BHND: Tensor, text: tuple[Tensor, Tensor], log_z_image: Tensor, o_image: Tensor) -> Tensor:
-    """Image queries' output `alpha o_t + (1 - alpha) o_i` from one softmax over the text keys plus
-    one extra key standing for the image part (`text`, from `_augmented_text`).
-
-    The extra key's score is log Z_i (a query channel holding log Z_i / scale against a key channel
-    holding 1) and its value is an indicator channel, so one fused attention call returns
-    `alpha o_t` in the value channels and `1 - alpha` in the indicator: no (queries, text) score
-    matrix is kept, and the partition sums never leave log space.
-    """
-    k_aug, v_aug = text
-    dim = q_BHND.shape[-1]
     scale = dim**-0.5
-    extra = k_aug.shape[-1] - dim
-    q_aug = torch.cat((q_BHND, F.pad((log_z_image / scale).unsqueeze(-1), (0, extra - 1))), dim=-1)
+    q_aug = torch.cat((q_BHND, F.pad((log_z_image / scale).unsqueeze(-1), (0, width - dim - 1))), dim=-1)
     out = F.scaled_dot_product_attention(q_aug, k_aug, v_aug, scale=scale)
     return out[..., :dim] + out[..., dim : dim + 1] * o_image
 
@@ -156,38 +147,39 @@ class TextPart(NamedTuple):
         if self.merge_bias is not None:
             offset = offset + self.merge_bias.float().view(1, -1, 1)
         k_text, v_text = (x.float().transpose(1, 2) for x in (self.keys, self.values))
-        scaled_keys = (k_text * k_text.shape[-1] ** -0.5).transpose(-1, -2).contiguous()
-        return ImageRowMerge(scaled_keys, v_text.contiguous(), mean, _half_covariance(centred_products, m), offset)
+        scale = k_text.shape[-1] ** -0.5
+        # one more key, the image keys' mean: its score is the estimate's linear term scale q.mu, and
+        # its value row is zero (the image part's output is added on its own)
+        keys = torch.cat((k_text, mean), dim=-2).mul_(scale).transpose(-1, -2).contiguous()
+        values = F.pad(v_text, (0, 0, 0, 1))
+        return ImageRowMerge(keys, values, _half_covariance(centred_products, m), offset)
 
 
 class ImageRowMerge(NamedTuple):
-    """`alpha o_t + (1 - alpha) o_i` for any chunk of image queries, from the text keys times scale,
-    transposed `(B, H, D, T)`, the text values `(B, H, T, D)`, the image keys' mean `(B, H, 1, D)`,
-    (scale^2 / 2) S `(B, H, D, D)` and log M (+ the merge bias)."""
+    """`alpha o_t + (1 - alpha) o_i` for any chunk of image queries, from the text keys and the image
+    keys' mean, times scale and transposed `(B, H, D, T + 1)`, the text values and a zero row
+    `(B, H, T + 1, D)`, (scale^2 / 2) S `(B, H, D, D)` and log M (+ the merge bias)."""
 
-    scaled_keys: Tensor
+    keys: Tensor
     values: Tensor
-    mean: Tensor
     half_cov: Tensor
     offset: Tensor
     """log M (0-dim), or log M + the merge bias `(1, H, 1)`."""
 
     def __call__(self, q_BHND: Tensor, o_image: Tensor) -> Tensor:
         """The image rows for fp32 queries `q_BHND` `(B, H, n, D)` whose T5 output is `o_image` (a chunk
-        temporary, overwritten).
+        temporary).
 
-        One softmax over the text scores and log Z_i, written as
-        `(sum_t e^(s_t - c) v_t + e^(log Z_i - c) o_i) / (sum_t e^(s_t - c) + e^(log Z_i - c))` with c the
-        largest of them: the chunk's (n, T) scores are a temporary in cache, where a fused attention call
-        over an extra key (`_image_rows`) runs at a lower rate for so few keys.
+        One softmax over the T text scores and log Z_i as a last score: its weights give
+        `alpha o_t` through the values and `1 - alpha` in the last column. The chunk's (n, T + 1)
+        scores are a temporary in cache, where a fused attention call over an extra key (`_image_rows`)
+        runs at a lower rate for so few keys.
         """
-        log_z_image = self.offset + _estimate(q_BHND, self.mean, self.half_cov)
-        scores = q_BHND @ self.scaled_keys
-        peak = torch.maximum(scores.amax(-1), log_z_image).unsqueeze(-1)
-        weights = scores.sub_(peak).exp_()
-        image_weight = (log_z_image.unsqueeze(-1) - peak).exp_()
-        total = weights.sum(-1, keepdim=True).add_(image_weight)
-        return (weights @ self.values).add_(o_image.mul_(image_weight)).div_(total)
+        scores = q_BHND @ self.keys
+        log_z_image = scores[..., -1]
+        log_z_image += ((q_BHND @ self.half_cov).mul_(q_BHND)).sum(-1).add_(self.offset)
+        weights = torch.softmax(scores, dim=-1)
+        return (weights @ self.values).addcmul_(o_image, weights[..., -1:])
 
 
 def text_rows(q_text: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -231,6 +223,6 @@ def hybrid_attention(
         log_z_image = image_log_partition(q_i, k_i)
         if merge_bias is not None:
             log_z_image = log_z_image + merge_bias.float().view(1, -1, 1)
-        image_rows = _image_rows(q_i, _augmented_text(k_t, v_t), log_z_image, o_ttt.float().transpose(1, 2))
+        image_rows = _image_rows(q_i, k_t, v_t, log_z_image, o_ttt.float().transpose(1, 2))
         out_BHND = torch.cat((over_all, image_rows) if first else (image_rows, over_all), dim=2)
     return out_BHND.transpose(1, 2).to(q.dtype)

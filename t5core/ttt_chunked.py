@@ -67,7 +67,9 @@ from t5core.hybrid import TextPart, text_rows
 from t5core.token_chunks import Chunk, Prepare, TokenChunks
 from t5core.ttt import inner_apply, inner_grads, silu_and_grad_, split_image
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "chunked_attention", "chunked_hybrid_attention", "t5_attention_chunked"]
+__all__ = [
+    "DEFAULT_CHUNK_TOKENS", "chunked_attention", "chunked_hybrid_attention", "records_autograd", "t5_attention_chunked",
+]  # fmt: skip
 
 DEFAULT_CHUNK_TOKENS = 2048
 HEAD_GROUP_BYTES = 4 << 20
@@ -262,7 +264,7 @@ def _forward(
     for chunk in plan.chunks:
         o_BHND = inner_apply(plan.local(q, chunk, q_conv, _to_float), fast, layout.variant)
         if merge is not None:
-            o_BHND = merge(_heads_first(q[:, chunk.tokens]), o_BHND)
+            o_BHND = merge(q[:, chunk.tokens].float().transpose(1, 2), o_BHND)
         out[:, chunk.tokens] = o_BHND.transpose(1, 2)
     return out, stats, fast
 
@@ -403,6 +405,12 @@ class _ChunkedT5Function(torch.autograd.Function):
         )
 
 
+def records_autograd(*tensors: Tensor | None) -> bool:
+    """Whether a call on `tensors` must record autograd (grad mode on and any of them requiring grad);
+    without it the chunked forward runs alone, with no autograd node and no saved tensors."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _check_chunk_tokens(chunk_tokens: int) -> None:
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive int; got {chunk_tokens!r}. Use e.g. {DEFAULT_CHUNK_TOKENS}.")
@@ -437,8 +445,7 @@ def chunked_attention(
     )
     convs = (*(params.q_conv or (None, None)), *(params.k_conv or (None, None)))
     with torch.autocast(device_type=q.device.type, enabled=False):
-        tensors = (q, k, v, *convs, *params.weights)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        if records_autograd(q, k, v, *convs, *params.weights):
             return _ChunkedT5Function.apply(layout, plan, q, k, v, *convs, *params.weights)
         return _forward_by_heads(layout, plan, q, k, v, params)
 
