@@ -13,15 +13,15 @@ grid (`HxW` or a square number of image tokens, `--text` text tokens first); on 
 `triton` path is left out and the row says why (TRITON_INTERPRET=1 runs the kernels slowly on CPU).
 
 Time: after one warm-up call of each path, `--rounds` rounds each time every path in turn (the median
-of two calls, `benchmarks.timing.time_in_turn`), so on a shared machine the paths see the same load;
+of two calls, `benchmarks.timing.time_paths`), so on a shared machine the paths see the same load;
 a path's time is the median over the rounds, of the forward without autograd and with `--backward`
 also of forward + backward. Speedup = SDPA time / path time; growth = time over the previous grid's.
 
 Memory: the peak of one forward above its inputs and output (`testing.peak_memory.peak_memory_mib`,
 not disturbed by load) and, on CPU for the `--resident` paths, how far one forward raises the peak
 resident set (`VmHWM`) of a child process that holds the same inputs, against a child that only fills
-an output of the same size. It includes what the allocator keeps, thread pools and loaded code. It
-reads `VmHWM`, not `ru_maxrss`: Linux carries `ru_maxrss` across a spawned child's `exec`.
+an output of the same size (`benchmarks.step_probes.peak_resident_mib`). It includes what the
+allocator keeps, thread pools and loaded code.
 
 With `triton`, the kernels' bandwidth: their minimum HBM traffic (k read twice, q and v once, the output
 written once) over their time, beside the GPU's peak (`--peak-gbs`, else a table of GPUs) and a
@@ -47,17 +47,7 @@ import torch
 import t5kernels
 from benchmarks.cases import PATHS, AttentionCase, add_case_arguments, goal, grid_of, sd3_inputs, softmax_backend
 from benchmarks.step_probes import peak_resident_mib
-from benchmarks.timing import (
-    fmt_ms,
-    fmt_x,
-    header_line,
-    markdown_table,
-    publish,
-    speedup,
-    summarize,
-    time_fn,
-    time_in_turn,
-)
+from benchmarks.timing import fmt_ms, fmt_x, header_line, markdown_table, publish, speedup, time_fn, time_paths
 from t5core.ttt_chunked import DEFAULT_CHUNK_TOKENS
 from testing.models import sd35_medium_config
 from testing.peak_memory import peak_memory_mib
@@ -74,7 +64,7 @@ MODEL_SPECS = ("paper", "all")
 MODEL_RATIO = 5e-2
 GOALS = (
     # (path, quantity, op, bound), at the largest grid: `speedup` vs SDPA, `fraction` = time / SDPA time,
-    # `growth` over the previous grid, memory in inputs (the bytes of q)
+    # `growth` over the previous grid, memory in inputs (the bytes of q), `over_parts` as `_quantities` says
     ("chunked", "speedup", ">=", 10),
     ("chunked", "growth", "<=", 5),
     ("chunked", "peak_inputs", "<=", 2),
@@ -83,9 +73,6 @@ GOALS = (
     ("hybrid", "growth", "<=", 4.5),
     ("hybrid", "over_parts", "<=", 1.25),
 )
-"""`over_parts`: the hybrid's time over the sum of its parts, `t5_image` timed alone and the text's
-softmax FLOPs (text queries over all keys, image queries over the text keys) at SDPA's rate in the
-same row, that is SDPA's time x `text_share`."""
 
 
 def _resident_child(path: str | None, grid: tuple[int, int], args: argparse.Namespace, conn) -> None:
@@ -116,10 +103,6 @@ def resident_rise_mib(path: str, grid: tuple[int, int], args: argparse.Namespace
     return peaks[0] - peaks[1]
 
 
-def _times(fns: dict, rounds: int) -> dict[str, dict[str, float]]:
-    return {path: summarize(times) for path, times in time_in_turn(fns, rounds=rounds, calls=2).items()}
-
-
 def measure(grid: tuple[int, int], args: argparse.Namespace) -> dict[str, Any]:
     """One row: check every path, then time it (each pass) and measure its memory."""
     case = AttentionCase(grid, args)
@@ -141,9 +124,9 @@ def measure(grid: tuple[int, int], args: argparse.Namespace) -> dict[str, Any]:
                 row["status"] = f"FAIL: `{path}` relative RMS error {checked[0]:.1e} > {bound:.0e}"
                 return row
     row["input_mib"] = case.q.numel() * case.q.element_size() / 2**20
-    row["ms"] = {"fwd": _times({p: case.forward(p) for p in paths}, args.rounds)}
+    row["ms"] = {"fwd": time_paths({p: case.forward(p) for p in paths}, rounds=args.rounds, calls=2)}
     if args.backward:
-        row["ms"]["fwdbwd"] = _times({p: case.forward_backward(p) for p in paths}, args.rounds)
+        row["ms"]["fwdbwd"] = time_paths({p: case.forward_backward(p) for p in paths}, rounds=args.rounds, calls=2)
     row["peak_mib"] = {path: peak_memory_mib(case.forward(path), args.device) for path in paths}
     if args.device == "cpu":
         row["resident_mib"] = {p: resident_rise_mib(p, grid, args) for p in paths if p in args.resident}
@@ -158,12 +141,14 @@ def sweep_chunks(grid: tuple[int, int], args: argparse.Namespace) -> list[dict[s
     fns = {size: case.forward("chunked", chunk_tokens=size) for size in args.chunk_sweep}
     return [
         {"tokens": case.tokens, "chunk_tokens": size, **timing, "peak_mib": peak_memory_mib(fns[size], args.device)}
-        for size, timing in _times(fns, args.rounds).items()
+        for size, timing in time_paths(fns, rounds=args.rounds, calls=2).items()
     ]
 
 
 def _quantities(row: dict[str, Any], previous: dict[str, Any] | None, kind: str, path: str) -> dict[str, float]:
-    """The quantities `GOALS` and the table use, of one path in one pass of a row."""
+    """The quantities `GOALS` and the table use, of one path in one pass of a row. `over_parts` is the hybrid's
+    time over the sum of its parts: `t5_image` timed alone, and the text's softmax FLOPs at SDPA's rate in the
+    same row (SDPA's time x `text_share`)."""
     ms = row["ms"][kind]
     ratio = speedup(ms["sdpa"]["median_ms"], ms[path]["median_ms"])
     values = {"speedup": ratio, "fraction": 1 / ratio}
@@ -211,7 +196,8 @@ def table(result: dict[str, Any]) -> list[str]:
         "the memory one forward holds above its inputs; resident is how far one forward raises the peak "
         "resident set of a process holding the same inputs and output (`VmHWM` of two child processes)."
     ]
-    if "hybrid" in paths and "t5_image" in paths:
+    parts = "hybrid" in paths and "t5_image" in paths
+    if parts:
         intro.append(
             "`hybrid` / parts: the hybrid's time over the sum of its parts, `t5_image` and the text's softmax "
             "FLOPs (text queries over all keys, image queries over the text keys) at SDPA's rate in the same row."
@@ -223,7 +209,6 @@ def table(result: dict[str, Any]) -> list[str]:
     header = ["grid", "N", "pass", *(f"`{p}` ms" for p in paths), *(f"speedup `{p}`" for p in t5)]
     header += [f"`{p}` growth" for p in paths] + [f"`{p}` {kind} MiB" for kind, of in memory.items() for p in of]
     header += ["Triton GB/s"] if any("triton_bytes" in row for row in ok) else []
-    parts = "hybrid" in paths and "t5_image" in paths
     header += ["`hybrid` / parts"] if parts else []
     lines, previous = [], None
     for row in rows:
@@ -410,8 +395,7 @@ def main(argv: list[str] | None = None) -> None:
         gpu = torch.cuda.get_device_name() if args.device == "cuda" else ""
         peak = args.peak_gbs or next((gbs for part, gbs in PEAK_GBS.items() if gpu and part in gpu), None)
         meta.update(peak_gbs=peak, copy_gbs=copy_gbs(args.device))
-    name = f"attention_{args.device}{args.suffix}"
-    publish(name, rows, meta, table=table, directory=args.results_dir)
+    publish(f"attention_{args.device}{args.suffix}", rows, meta, table=table, directory=args.results_dir)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,8 @@ The measurement, one run and one JSON (written after each size, so a stopped run
     python -m benchmarks.bench_comfy_step --device cuda --dtype bf16 --sizes 1024 --compose 1024 2048 \
         --warmup 2 --reps 5 --block-reps 3  # the GPU row: benchmarks/gpu_check.sh, stage step
 
-On 2 CPU cores in fp32 the first command, and each of the two below, runs for about an hour; the fp32
-model holds about 10 GB. `--plan` prints which kinds of block each path adds up, without running
-anything; a smoke test at toy size takes under a minute: `--blocks 2 --sizes 64 --compose 64 --warmup
-1 --reps 2`.
+The fp32 model holds about 10 GB. `--plan` prints which kinds of block each path adds up, without
+running anything; `--blocks 2 --sizes 64 --compose 64 --warmup 1 --reps 2` is a smoke test at toy size.
 
 The model is ComfyUI's own MMDiT with SD3.5 Medium's architecture and seeded random weights (`--blocks
 N` keeps the first N joint blocks); a step is one euler step with CFG 4.5, which ComfyUI runs as one
@@ -156,12 +154,11 @@ def main() -> None:
         shapes = [BlockShape(b.x_block.x_block_self_attn, b.context_block.pre_only) for b in blocks]
         print(header_line())
         for size in dict.fromkeys(args.sizes + args.compose):
-            timed = [p for p in paths if size in args.sizes]
-            whole = {p.name: WholeRun(Step(nodes, p, config, size, clock), memory) for p in timed}
-            composing = [p for p in paths if size in args.compose]
+            whole = {p.name: WholeRun(Step(nodes, p, config, size, clock), memory) for p in paths if size in args.sizes}
             composed = {
                 p.name: ComposedRun(Step(nodes, p, config, size, clock), p, shapes, memory, block_reps=args.block_reps)
-                for p in composing
+                for p in paths
+                if size in args.compose
             }
             reference = None
             for path in paths:
@@ -176,17 +173,10 @@ def main() -> None:
                         if run is not None:
                             run.round()
             measured = _rows(whole, size, "measured", calls)
-            if measured:
-                _finish(measured, paths, rows)
-            if composed:
-                by_path = _rows(composed, size, "composed", calls)
-                for name, row in by_path.items():
-                    if measured.get(name, {}).get("status") == "ok" and row["status"] == "ok":
-                        row["composed_vs_measured"] = row["median_ms"] / measured[name]["median_ms"]
-                        rounds = zip(row["round_ms"], measured[name]["times_ms"], strict=True)
-                        row["composed_vs_measured_rounds"] = [part / step for part, step in rounds]
-                        row["peak_composed_vs_measured"] = row["peak_mib"] / measured[name]["peak_mib"]
-                _finish(by_path, paths, rows)
+            _finish(measured, paths, rows)
+            by_path = _rows(composed, size, "composed", calls)
+            _compare(by_path, measured)
+            _finish(by_path, paths, rows)
             _save(args, config, rows, comfyui=comfyui_version.__version__, calls=calls, memory=memory)
 
 
@@ -216,8 +206,22 @@ def _rows(runs: dict, size: int, step: str, calls: set) -> dict[str, dict[str, A
     return rows
 
 
+def _compare(composed: dict[str, dict[str, Any]], measured: dict[str, dict[str, Any]]) -> None:
+    """Add composed / measured (of the medians, round by round and of the peaks) to the composed rows of a
+    path whose step was also measured, both ok."""
+    for name, row in composed.items():
+        whole = measured.get(name, {})
+        if whole.get("status") == "ok" and row["status"] == "ok":
+            row["composed_vs_measured"] = row["median_ms"] / whole["median_ms"]
+            rounds = zip(row["round_ms"], whole["times_ms"], strict=True)
+            row["composed_vs_measured_rounds"] = [part / step for part, step in rounds]
+            row["peak_composed_vs_measured"] = row["peak_mib"] / whole["peak_mib"]
+
+
 def _finish(by_path: dict[str, dict[str, Any]], paths: list[StepPath], rows: list[dict[str, Any]]) -> None:
-    """Add modules, speedup and attention share to one size's rows of one kind, print and keep them."""
+    """Add modules, speedup and attention share to one size's rows of one kind (if any) and keep them."""
+    if not by_path:
+        return
     base = by_path["softmax"]
     for path in paths:
         row = by_path[path.name]
@@ -262,32 +266,23 @@ def table(result: dict[str, Any]) -> list[str]:
         if row["status"] != "ok":
             rows.append([*head, row["status"], "", "", "", ""])
             continue
+        ratio = speedup(softmax[(row["size"], row["step"])], row["median_ms"])
+        cells = [fmt_ms(row["median_ms"]), fmt_x(ratio), f"{row['attention_share']:.0%}", f"{row['peak_mib']:.0f}"]
         check = row.get("composed_vs_measured")
-        rows.append(
-            [
-                *head,
-                fmt_ms(row["median_ms"]),
-                fmt_x(speedup(softmax[(row["size"], row["step"])], row["median_ms"])),
-                f"{row['attention_share']:.0%}",
-                f"{row['peak_mib']:.0f}",
-                f"{check:.3f}" if check is not None else "-",
-            ]
-        )
+        rows.append([*head, *cells, f"{check:.3f}" if check is not None else "-"])
     header = ["image", "path", "modules converted", "step", "ms", "speedup", "attention share", "peak MiB",
               "composed / measured"]  # fmt: skip
     checks = []
     for size in dict.fromkeys(row["size"] for row in result["rows"]):
-        ratios = [row["composed_vs_measured"] for row in result["rows"] if row["size"] == size and
-                  "composed_vs_measured" in row]  # fmt: skip
-        if ratios:
+        compared = [row for row in result["rows"] if row["size"] == size and "composed_vs_measured" in row]
+        if compared:
+            ratios = [row["composed_vs_measured"] for row in compared]
+            rounds = [ratio for row in compared for ratio in row.get("composed_vs_measured_rounds", ())]
             met = all(abs(ratio - 1) <= meta["composition_tolerance"] for ratio in ratios)
-            rounds = [ratio for row in result["rows"] if row["size"] == size
-                      for ratio in row.get("composed_vs_measured_rounds", ())]  # fmt: skip
-            checks.append(
-                f"* composed / measured at {size}x{size}: {min(ratios):.3f}-{max(ratios):.3f} over "
-                f"{len(ratios)} paths ({'goal met' if met else 'goal NOT met: the composed rows are not validated'})"
-                + (f"; round by round {min(rounds):.3f}-{max(rounds):.3f}" if rounds else "")
-            )
+            verdict = "goal met" if met else "goal NOT met: the composed rows are not validated"
+            span = f"{min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} paths ({verdict})"
+            by_round = f"; round by round {min(rounds):.3f}-{max(rounds):.3f}" if rounds else ""
+            checks.append(f"* composed / measured at {size}x{size}: {span}{by_round}")
     if "recomposed" in meta:
         checks.append(f"* {meta['recomposed']}")
     return [intro, "", *markdown_table(header, rows), *([""] + checks if checks else [])]

@@ -88,18 +88,9 @@ def file_sizes(model, *, base_bytes: int) -> list[dict]:
             new = sum(params[name].numel() for name in split.new)
             deltas = delta_elements(handle, split, rank)
             handle.remove()
-            rows.append(
-                {
-                    "layers": spec,
-                    "modules": len(handle.modules),
-                    "trainable": trainable,
-                    "rank": rank,
-                    "t5_params": new,
-                    "delta_params": deltas,
-                    "bytes_fp32": 4 * (new + deltas),
-                    "bytes_base": 4 * new + base_bytes * deltas,
-                }
-            )
+            row = {"layers": spec, "modules": len(handle.modules), "trainable": trainable, "rank": rank}
+            sizes = {"bytes_fp32": 4 * (new + deltas), "bytes_base": 4 * new + base_bytes * deltas}
+            rows.append({**row, "t5_params": new, "delta_params": deltas, **sizes})
     return rows
 
 
@@ -116,7 +107,6 @@ def toy_cost(path: Path, *, samples: int) -> tuple[list[dict], float]:
     from sd3_testbed.eval import teacher_distance, toy_eval, validation_loss
     from sd3_testbed.model import load_toy_base
     from t5core import weights as t5w
-    from t5core.hosts.diffusers import linearize as linearize_diffusers
 
     loaded = t5w.load(path)
     stored = [t for delta in loaded.deltas.values() for t in delta.stored().values()]
@@ -142,7 +132,7 @@ def toy_cost(path: Path, *, samples: int) -> tuple[list[dict], float]:
             provenance=loaded.provenance,
         )
         for name, file in (("float32", path), (str(dtype).removeprefix("torch."), rounded)):
-            student = linearize_diffusers(load_toy_base(), weights=file).model.eval()
+            student = linearize(load_toy_base(), weights=file).model.eval()
             score, sampled = toy_eval(student, count=samples)
             images.append(sampled)
             row = {"delta_dtype": name, "file_bytes": file.stat().st_size, **score.as_dict()}
@@ -188,21 +178,14 @@ def table(result: dict[str, Any]) -> list[str]:
         "full deltas): the T5 parameters in fp32 and the deltas of trained inherited weights in fp32 "
         "(`--output.base_dtype fp32`) or in the base checkpoint's precision (`--output.base_dtype base`, the default)."
     )
-    rows = [
-        [row["model"], row["status"]]
-        if "status" in row
-        else [
-            row["model"],
-            row["layers"],
-            row["trainable"],
-            str(row["rank"] or "full"),
-            f"{row['t5_params'] / 1e6:.2f}M",
-            f"{row['delta_params'] / 1e6:.1f}M",
-            _size(row["bytes_fp32"]),
-            f"{_size(row['bytes_base'])} ({row['base_dtype']})",
-        ]  # fmt: skip
-        for row in result["rows"]
-    ]
+    rows = []
+    for row in result["rows"]:
+        if "status" in row:
+            rows.append([row["model"], row["status"]])
+            continue
+        params = [f"{row['t5_params'] / 1e6:.2f}M", f"{row['delta_params'] / 1e6:.1f}M"]
+        sizes = [_size(row["bytes_fp32"]), f"{_size(row['bytes_base'])} ({row['base_dtype']})"]
+        rows.append([row["model"], row["layers"], row["trainable"], str(row["rank"] or "full"), *params, *sizes])
     header = ["model", "layers", "trainable", "rank", "T5 params", "delta params", "file, fp32 deltas",
               "file, base precision"]  # fmt: skip
     lines = [intro, "", *markdown_table(header, rows)]
@@ -213,16 +196,13 @@ def table(result: dict[str, Any]) -> list[str]:
             + [f"{row['val_loss']:.6f}"]
             for row in meta["toy_cost"]
         ]
-        lines += [
-            "",
+        note = (
             f"What the smaller file costs on the toy: `{meta['toy_weights']}` as exported (fp32 deltas) and with its "
             f"deltas rounded to float16, ToyEval from the same noise; the two files' samples differ by "
-            f"{meta['toy_sample_rms_difference']:.4f} RMS (pixels in [0, 1]).",
-            "",
-            *markdown_table(
-                ["deltas", "file", "ToyEval overall", "color", "shape", "position", "size", "val loss"], cost
-            ),
-        ]
+            f"{meta['toy_sample_rms_difference']:.4f} RMS (pixels in [0, 1])."
+        )
+        header = ["deltas", "file", "ToyEval overall", "color", "shape", "position", "size", "val loss"]
+        lines += ["", note, "", *markdown_table(header, cost)]
     return lines
 
 

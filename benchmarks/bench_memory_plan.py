@@ -9,26 +9,25 @@ stored in bf16, bf16 autocast, AdamW, DDP over a world of one) at `--resolution`
 without and one with gradient checkpointing, on random latents and text features of SD3.5's shapes.
 It reads the process's resident memory from /proc: the baseline after the imports, the peak while
 building and converting the model (the fp32 weights), and the peak of each step (the high-water mark
-is reset before each phase). The parent prints each measured peak beside `trainer.planning.memory.plan_memory`
-for the same settings, with no runtime margin (no CUDA context on CPU), and marks a miss over 15%.
+is reset before each phase). The parent prints each measured peak beside
+`trainer.planning.memory.plan_memory` for the same settings, with no runtime margin (no CUDA context on
+CPU), and marks a miss over 15%. Loading is compared as the device holds the student once it is there:
+the settled memory after `parallelize` has cast the frozen weights.
 
-Loading is compared as the device holds the student once it is there: the settled memory after `parallelize`
-has cast the frozen weights (on a GPU the cast happens on the host before the move). Data preparation's
-phases run in children of their own, in the CPU pipeline's fp32 at `--preparation-resolution`, beside
-`trainer.planning.run_plan`'s estimates: SD3's VAE encoding `VAE_IMAGES` images in one call, and decoding
-`trainer.validation.DECODE_BATCH` in fp32 as validation does; the three text
-encoders on `CAPTIONS` captions of their full token length (T5-XXL's encoder cut to `T5_LAYERS` layers,
-which this machine's memory needs); SD3.5 Medium's frozen transformer on one guided call of `GENERATED`
-prompts.
+Data preparation's phases run in children of their own, in the CPU pipeline's fp32 at
+`--preparation-resolution`, beside `trainer.planning.run_plan`'s estimates: SD3's VAE encoding
+`VAE_IMAGES` images in one call and decoding `trainer.validation.DECODE_BATCH` as validation does; the
+three text encoders on `CAPTIONS` captions of their full token length; SD3.5 Medium's frozen
+transformer on one guided call of `GENERATED` prompts.
 
 How CPU accounting differs from CUDA's: resident memory counts pages in use, like CUDA's allocated
-memory rather than its reserved memory, because the child runs with a fixed glibc mmap threshold, so
-every freed tensor above 128 KiB goes back to the OS (torch's CPU allocator caches nothing). There is
-no CUDA context, cuBLAS workspace or NCCL buffer (the plan's runtime margin covers those on a GPU),
-and the baseline (Python, torch, diffusers) is subtracted. On a GPU the base is read on the host and
-then moved; here the host and the device are one memory, so the load peak is the fp32 model itself.
-CPU autocast casts the same matmuls and convolutions to bf16 as CUDA's does; the kernels and their
-workspaces differ (oneDNN vs cuBLAS / cuDNN, SDPA's CPU flash kernel vs CUDA's).
+memory rather than its reserved memory, because the child runs with a fixed glibc mmap threshold
+(`MMAP_THRESHOLD`: torch's CPU allocator caches nothing). There is no CUDA context, cuBLAS workspace
+or NCCL buffer (the plan's runtime margin covers those on a GPU), and the baseline (Python, torch,
+diffusers) is subtracted. On a GPU the base is read and cast on the host, then moved; here the host
+and the device are one memory, so the load peak is the fp32 model itself. CPU autocast casts the
+same matmuls and convolutions to bf16 as CUDA's does; the kernels and their workspaces differ
+(oneDNN vs cuBLAS / cuDNN, SDPA's CPU flash kernel vs CUDA's).
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ import torch
 from benchmarks.bench_trainer_memory import CLIP_TOKENS, T5_TOKENS, VAE_FACTOR, run_shape
 from benchmarks.cases import sd3_inputs
 from benchmarks.step_probes import reset_peak_resident, status_kib
-from benchmarks.timing import header_line, markdown_table, publish
+from benchmarks.timing import REPO_ROOT, header_line, markdown_table, publish
 from trainer.inputs.sources import PARTS_CONFIG_DIR
 from trainer.planning.memory import GIB, PlanSettings, plan_memory
 from trainer.planning.run_plan import (
@@ -63,7 +62,7 @@ from trainer.planning.time_estimate import ParamCounts, RunShape
 from trainer.validation import DECODE_BATCH
 
 TITLE = "Memory plan vs a measured step"
-RECIPE = Path(__file__).resolve().parent.parent / "trainer" / "configs" / "sd35_medium_24gb.toml"
+RECIPE = REPO_ROOT / "trainer" / "configs" / "sd35_medium_24gb.toml"
 TOLERANCE = 0.15
 """The plan must come within 15% of the measured peak."""
 TEXT_TOKENS = CLIP_TOKENS + T5_TOKENS
@@ -264,7 +263,33 @@ def _preparation_rows(resolution: int) -> list[dict]:
         f"preparation: text encoders, {CAPTIONS} captions (T5 at {T5_LAYERS} of 24 layers)": (text_plan, text),
         f"preparation: generating, {2 * GENERATED} samples": (generation_plan, generation),
     }
-    return [dict(phase=phase, plan_gib=plan, measured_gib=child["peak_gib"]) for phase, (plan, child) in phases.items()]
+    return [_row(phase, plan, child["peak_gib"]) for phase, (plan, child) in phases.items()]
+
+
+def _training_rows(measured: dict) -> list[dict]:
+    """Loading and the train step without and with checkpointing: the plan beside the training child's peaks."""
+    counts, shape = ParamCounts(**measured["counts"]), RunShape(**measured["shape"])
+    rows = []
+    for checkpointing in (False, True):
+        settings = PlanSettings(
+            mode=measured["mode"], world_size=1, precision="bf16", gradient_checkpointing=checkpointing
+        )
+        plan = plan_memory(counts, shape, settings, runtime_margin_gib=0.0)
+        if not rows:
+            rows.append(_row("loading: on the device, frozen cast", plan.load_gib, measured["settled_gib"]))
+        step = measured[f"step_ckpt{int(checkpointing)}"]
+        components = {k: round(v, 3) for k, v in plan.components.items()}
+        phase = f"train step, checkpointing {'on' if checkpointing else 'off'}"
+        extra = dict(seconds=round(step["seconds"], 1), components=components)
+        rows.append(_row(phase, sum(plan.components.values()), step["peak_gib"], **extra))
+    return rows
+
+
+def _row(phase: str, plan_gib: float, measured_gib: float, **extra: Any) -> dict:
+    """One row of the table: the plan against the measured peak, and whether it is within `TOLERANCE`."""
+    ratio = plan_gib / measured_gib
+    rounded = dict(plan_gib=round(plan_gib, 3), measured_gib=round(measured_gib, 3))
+    return dict(phase=phase, **rounded, **extra, ratio=round(ratio, 3), within_tolerance=abs(ratio - 1) <= TOLERANCE)
 
 
 def _fields_of(obj: object) -> dict:
@@ -295,38 +320,7 @@ def main() -> None:
         return
     print(header_line())
     measured = _run_child(args.resolution)
-    counts, shape = ParamCounts(**measured["counts"]), RunShape(**measured["shape"])
-    rows = []
-    for checkpointing in (False, True):
-        settings = PlanSettings(
-            mode=measured["mode"], world_size=1, precision="bf16", gradient_checkpointing=checkpointing
-        )
-        plan = plan_memory(counts, shape, settings, runtime_margin_gib=0.0)
-        if not rows:
-            rows.append(
-                dict(
-                    phase="loading: on the device, frozen cast",
-                    plan_gib=plan.load_gib,
-                    measured_gib=measured["settled_gib"],
-                )
-            )
-        step = measured[f"step_ckpt{int(checkpointing)}"]
-        rows.append(
-            dict(
-                phase=f"train step, checkpointing {'on' if checkpointing else 'off'}",
-                plan_gib=sum(plan.components.values()),
-                measured_gib=step["peak_gib"],
-                seconds=round(step["seconds"], 1),
-                components={k: round(v, 3) for k, v in plan.components.items()},
-            )
-        )
-    rows += _preparation_rows(args.preparation_resolution)
-    for row in rows:
-        ratio = row["plan_gib"] / row["measured_gib"]
-        row.update(
-            plan_gib=round(row["plan_gib"], 3), measured_gib=round(row["measured_gib"], 3), ratio=round(ratio, 3)
-        )
-        row["within_tolerance"] = abs(ratio - 1) <= TOLERANCE
+    rows = _training_rows(measured) + _preparation_rows(args.preparation_resolution)
     meta = dict(vars(args), **{k: measured[k] for k in ("baseline_gib", "load_gib", "settled_gib", "counts", "shape")})
     meta.pop("child")
     publish("memory_plan_check", rows, meta, table=table, write=args.json)

@@ -41,8 +41,6 @@ from sd3_testbed.model import ToyCond, load_toy_base
 from t5core.hosts.diffusers import linearize
 from trainer.sampling import sample
 
-logger = logging.getLogger(__name__)
-
 TITLE = "Toy sampling speed"
 CHECK_ATOL = 2e-2
 """Kernel vs torch path on whole samples after a few Euler steps (fp32 compute; kernels may
@@ -121,18 +119,14 @@ def table(result: dict[str, Any]) -> list[str]:
         f"{meta['rounds']} rounds; times are medians over the rounds, the speedup is the median of the "
         "rounds' own ratios (20-80 % of them in brackets)."
     )
-    rows = [
-        [f"{row['size']} px", row["image_tokens"], row.get("status", "FAIL")]
-        if "t5" not in row
-        else [
-            f"{row['size']} px",
-            row["image_tokens"],
-            fmt_ms(row["softmax"]["median_ms"]),
-            fmt_ms(row["t5"]["median_ms"]),
-            f"{fmt_x(row['speedup_vs_softmax'])} ({row['speedup_p20']:.2f}-{row['speedup_p80']:.2f})",
-        ]
-        for row in result["rows"]
-    ]
+    rows = []
+    for row in result["rows"]:
+        head = [f"{row['size']} px", row["image_tokens"]]
+        if "t5" not in row:
+            rows.append([*head, row.get("status", "FAIL")])
+            continue
+        ratio = f"{fmt_x(row['speedup_vs_softmax'])} ({row['speedup_p20']:.2f}-{row['speedup_p80']:.2f})"
+        rows.append([*head, fmt_ms(row["softmax"]["median_ms"]), fmt_ms(row["t5"]["median_ms"]), ratio])
     return [intro, "", *markdown_table(["image", "image tokens", "softmax ms", "T5 ms", "speedup"], rows)]
 
 

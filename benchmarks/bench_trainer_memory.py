@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import json
 import logging
 from typing import Any
@@ -26,8 +28,6 @@ from trainer.config import ModelConfig, OptimConfig
 from trainer.model import CONFIGS_DIR, split_parameters
 from trainer.planning.memory import PlanSettings, count_parameters, plan_memory
 from trainer.planning.time_estimate import ParamCounts, RunShape
-
-logger = logging.getLogger(__name__)
 
 TITLE = "Trainer memory plan"
 PUBLISHED_PARAMS = {"sd3.5_medium": 2_243_171_520, "sd3.5_large": 8_056_627_520}
@@ -74,6 +74,25 @@ def _counts(model, trainable: str) -> tuple[ParamCounts, ParamCounts]:
     return counts, dataclasses.replace(counts, trained=counts.trained - new)
 
 
+def _plan_rows(name: str, model, args: argparse.Namespace) -> list[dict]:
+    """The plans of one released model: per trained weights, mode and teacher, T5 against softmax."""
+    shape = run_shape(model.config, args.resolution, args.batch)
+    total = sum(p.numel() for p in model.parameters())
+    settings_of = functools.partial(PlanSettings, world_size=args.gpus, precision="bf16", gradient_checkpointing=True)
+    rows = []
+    for trainable in ("all", "attention"):
+        # The softmax baseline fine-tunes the same weights of the unconverted model.
+        t5_counts, softmax_counts = _counts(model, trainable)
+        for mode, teacher in itertools.product(("ddp", "fsdp2"), (False, True)):
+            settings = settings_of(mode=mode, teacher_params=total if teacher else 0)
+            plan = plan_memory(t5_counts, shape, settings, budget_gib=args.gpu_gib)
+            base_gib = plan_memory(softmax_counts, shape, settings).total_gib
+            row = dict(model=name, trainable=trainable, mode=mode, teacher=teacher, t5_gib=round(plan.total_gib, 2))
+            components = {k: round(v, 2) for k, v in plan.components.items()}
+            rows.append(row | dict(softmax_gib=round(base_gib, 2), fits=plan.fits, components=components))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=4)
@@ -88,37 +107,8 @@ def main() -> None:
     rows = []
     for name in PUBLISHED_PARAMS:
         model = meta_model(name)
-        if failure := parameter_check(name, model):
-            rows.append(dict(model=name, status=failure))
-            continue
-        shape = run_shape(model.config, args.resolution, args.batch)
-        total = sum(p.numel() for p in model.parameters())
-        for trainable in ("all", "attention"):
-            # The softmax baseline fine-tunes the same weights of the unconverted model.
-            t5_counts, softmax_counts = _counts(model, trainable)
-            for mode in ("ddp", "fsdp2"):
-                for teacher in (False, True):
-                    settings = PlanSettings(
-                        mode=mode,
-                        world_size=args.gpus,
-                        precision="bf16",
-                        gradient_checkpointing=True,
-                        teacher_params=total if teacher else 0,
-                    )
-                    plan = plan_memory(t5_counts, shape, settings, budget_gib=args.gpu_gib)
-                    base_gib = plan_memory(softmax_counts, shape, settings).total_gib
-                    rows.append(
-                        dict(
-                            model=name,
-                            trainable=trainable,
-                            mode=mode,
-                            teacher=teacher,
-                            t5_gib=round(plan.total_gib, 2),
-                            softmax_gib=round(base_gib, 2),
-                            fits=plan.fits,
-                            components={k: round(v, 2) for k, v in plan.components.items()},
-                        )
-                    )
+        failure = parameter_check(name, model)
+        rows += [dict(model=name, status=failure)] if failure else _plan_rows(name, model, args)
     publish("trainer_memory", rows, vars(args), table=table, write=args.json)
 
 

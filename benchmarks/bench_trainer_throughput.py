@@ -23,13 +23,12 @@ from typing import Any
 
 import torch
 
-from benchmarks.timing import fmt_x, header_line, markdown_table, publish, speedup
+from benchmarks.timing import REPO_ROOT, fmt_x, header_line, markdown_table, publish, speedup
 from testing.trainer_assets import write_base, write_cache
 from trainer.metrics import read_metrics
 
 TITLE = "Trainer throughput"
-REPO = Path(__file__).resolve().parent.parent
-RUN = str(REPO / "trainer" / "run.py")
+RUN = str(REPO_ROOT / "trainer" / "run.py")
 LOSS_RTOL = 1e-5
 """fp32 on CPU: one and two processes differ only in the order of gradient sums."""
 
@@ -52,8 +51,8 @@ def _train(root: Path, name: str, *, procs: int, mode: str, layers: str, args: a
     launcher = [sys.executable, RUN] if procs == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", RUN
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*launcher, *flags], cwd=REPO, env=env, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*launcher, *flags], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{done.stderr[-3000:]}")
     return read_metrics(out / "metrics.jsonl")
@@ -68,25 +67,23 @@ def main() -> None:
     args = parser.parse_args()
 
     print(header_line())
-    rows = []
+    results: dict[tuple[str, int, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         write_base(root / "base")
         write_cache(root / "cache", buckets=((16, 24),), per_bucket=4 * args.batch)
-        results: dict[tuple[str, int, str], list[dict]] = {}
         for attention, layers in (("sdpa", "none"), ("t5", "all")):
             for procs, mode in ((1, "ddp"), (2, "ddp"), (2, "fsdp2")):
                 name = f"{attention}-{procs}-{mode}"
                 results[(attention, procs, mode)] = _train(root, name, procs=procs, mode=mode, layers=layers, args=args)
-        for (attention, procs, mode), metrics in results.items():
-            one = [m["loss/total"] for m in results[(attention, 1, "ddp")]]
-            mine = [m["loss/total"] for m in metrics]
-            ok = torch.allclose(torch.tensor(mine), torch.tensor(one), rtol=LOSS_RTOL, atol=0)
-            ms = 1e3 * statistics.median(m["time/step(s)"] for m in metrics[args.warmup :])
-            row = dict(
-                attention=attention, procs=procs, mode=mode, ms_per_step=round(ms, 2), check="ok" if ok else "FAIL"
-            )
-            rows.append({**row, "img_per_s": round(args.batch / ms * 1e3, 2)} if ok else row)
+    rows = []
+    for (attention, procs, mode), metrics in results.items():
+        one = [m["loss/total"] for m in results[(attention, 1, "ddp")]]
+        mine = [m["loss/total"] for m in metrics]
+        ok = torch.allclose(torch.tensor(mine), torch.tensor(one), rtol=LOSS_RTOL, atol=0)
+        ms = 1e3 * statistics.median(m["time/step(s)"] for m in metrics[args.warmup :])
+        row = dict(attention=attention, procs=procs, mode=mode, ms_per_step=round(ms, 2), check="ok" if ok else "FAIL")
+        rows.append({**row, "img_per_s": round(args.batch / ms * 1e3, 2)} if ok else row)
     publish("trainer_throughput", rows, vars(args), table=table, write=args.json)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.step_compose import BlockKind, BlockShape, compose, kinds_of
 from benchmarks.step_probes import AttentionClock, PeakMemory
-from benchmarks.timing import summarize, time_call
+from benchmarks.timing import REPO_ROOT, summarize, time_call
 from t5core import T5Attention
 from t5core.config import BaseArch
 from t5core.layers import resolve_layers
@@ -27,7 +27,6 @@ __all__ = [
     "convert_paths", "path_layers",
 ]  # fmt: skip
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TEXT_TOKENS = 154
 CFG = 4.5
 HYBRID = "-hybrid"
@@ -186,11 +185,7 @@ class Step:
 
 
 class WholeRun:
-    """A path's whole step at one size, timed one step per round (`round`) after `prepare`.
-
-    Rounds of every path run in turn (`bench_comfy_step`), so a slow stretch of a shared machine hits
-    every path alike, not only the one being timed.
-    """
+    """A path's whole step at one size, timed one step per round (`round`) after `prepare`."""
 
     def __init__(self, step: Step, memory: PeakMemory) -> None:
         self.step, self.memory = step, memory
@@ -260,18 +255,18 @@ class ComposedRun:
     ) -> None:
         self.step, self.memory, self.block_reps = step, memory, block_reps
         self.kinds = kinds_of(shapes, path.layers, path.joint_mode)
-        self.first = {kind: self.kinds.index(kind) for kind in dict.fromkeys(self.kinds)}
-        self._timed_at = {index: kind for kind, index in self.first.items()}
+        # the first block of each kind, the one timed: {block index: kind}
+        self.timed = {self.kinds.index(kind): kind for kind in dict.fromkeys(self.kinds)}
         self._running = False
         self.rest: list[float] = []
         self.rest_attention: list[float] = []
         self.round_ms: list[float] = []
         # every timed run of a kind's block, and per round the kind's time (and attention time) in one step
-        self.runs: dict[BlockKind, list[float]] = {kind: [] for kind in self.first}
-        self.per_step: dict[BlockKind, list[float]] = {kind: [] for kind in self.first}
-        self.attention_per_step: dict[BlockKind, list[float]] = {kind: [] for kind in self.first}
+        self.runs: dict[BlockKind, list[float]] = {kind: [] for kind in self.timed.values()}
+        self.per_step: dict[BlockKind, list[float]] = {kind: [] for kind in self.timed.values()}
+        self.attention_per_step: dict[BlockKind, list[float]] = {kind: [] for kind in self.timed.values()}
         # (time, attention time) of each model call of the step running: medians over its runs
-        self._calls: dict[BlockKind, list[tuple[float, float]]] = {kind: [] for kind in self.first}
+        self._calls: dict[BlockKind, list[tuple[float, float]]] = {kind: [] for kind in self.timed.values()}
         self.finite = True
         self.ok = False
         self.peak = self.held = 0.0
@@ -279,7 +274,7 @@ class ComposedRun:
 
     def _replacement(self, index: int):
         def replacement(inputs: dict, extra: dict) -> dict:
-            kind = self._timed_at.get(index) if self._running else None
+            kind = self.timed.get(index) if self._running else None
             if kind is not None:
                 self._run_block(index, kind, inputs)
             return {"txt": inputs["txt"], "img": inputs["img"]}
@@ -319,8 +314,8 @@ class ComposedRun:
         return {kind: (sum(t for t, _ in calls), sum(a for _, a in calls)) for kind, calls in self._calls.items()}
 
     def prepare(self, *, warmup: int) -> None:
-        """Warm-up steps, each running every timed block (their times are dropped) and the rest once; the
-        first checks that every timed block's outputs are finite."""
+        """Warm-up steps, each running every timed block (their times are dropped) and the rest once; `ok` is
+        False when a timed block's outputs were not finite."""
         for _ in range(warmup):
             self._blocks_step()
             self.step()
@@ -374,7 +369,7 @@ class ComposedRun:
                     "attention_ms": attention[kind],
                     "runs_ms": self.runs[kind],
                 }
-                for kind, index in self.first.items()
+                for index, kind in self.timed.items()
             ],
             "status": "ok",
         }

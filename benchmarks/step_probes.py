@@ -6,15 +6,12 @@ reached through ComfyUI's own `transformer_options["optimized_attention_override
 `wrap_attn` attention function honours) and the forward of each `T5Attention` module (forward hooks;
 a hybrid module's exact softmax part runs inside that forward and counts once). On CUDA each call is
 bracketed by two CUDA events, read after the step, so the clock adds no synchronisation; on CPU it
-reads `time.perf_counter` (CPU ops are synchronous). Either way the cost is a few microseconds per
-call, against 37 attention calls of tens of milliseconds or more per SD3.5 Medium step.
+reads `time.perf_counter` (CPU ops are synchronous).
 
 `PeakMemory` measures the peak memory of a stretch of work above what was held before it (the model,
-the T5 modules, the inputs). On CUDA: `torch.cuda.max_memory_allocated`, reset at the start. On CPU:
-the peak resident set size of the process (Linux `VmHWM`), reset at the start through
-`/proc/self/clear_refs` after `malloc_trim` hands freed heap back, so an earlier row's peak does not
-count; it includes what torch's tensors do not (oneDNN scratch, malloc overhead), and is what the
-machine must have free.
+the T5 modules, the inputs), as its `METHOD_CUDA` and `METHOD_CPU` say. Resetting the CPU peak after
+`malloc_trim` keeps an earlier row's peak out; it includes what torch's tensors do not (oneDNN scratch,
+malloc overhead), and is what the machine must have free.
 """
 
 from __future__ import annotations
@@ -43,35 +40,34 @@ class AttentionClock:
     def __init__(self, *, cuda: bool) -> None:
         self.cuda = cuda
         self.calls = 0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._total_s = 0.0
+        # (start, end) of each call since the last take_ms: CUDA events, or perf_counter seconds
+        self._spans: list[tuple[Any, Any]] = []
         self._start: Any = None
+
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def start(self) -> None:
         if self._start is not None:
             raise RuntimeError("AttentionClock: an attention call started inside another; the call sites overlap.")
-        if self.cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
+        self._start = self._now()
 
     def stop(self) -> None:
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._events.append((self._start, end))
-        else:
-            self._total_s += time.perf_counter() - self._start
+        self._spans.append((self._start, self._now()))
         self._start = None
         self.calls += 1
 
     def take_ms(self) -> float:
         """The time summed since the last `take_ms()` (or creation), in ms; starts a new sum."""
-        if self.cuda and self._events:
-            self._events[-1][1].synchronize()
-        total_ms = self._total_s * 1e3 + sum(start.elapsed_time(end) for start, end in self._events)
-        self._events, self._total_s, self.calls = [], 0.0, 0
+        if self.cuda and self._spans:
+            self._spans[-1][1].synchronize()
+        spans_ms = (start.elapsed_time(end) if self.cuda else (end - start) * 1e3 for start, end in self._spans)
+        total_ms = sum(spans_ms, 0.0)
+        self._spans, self.calls = [], 0
         return total_ms
 
     def override(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -40,6 +40,8 @@ from testing.tolerances import KERNEL_RATIO, relative_rms
 
 TITLE = "Kernel launch settings"
 SWEEPS = ("fwd", "map", "bwd")
+FIELDS = tuple(field.name for field in dataclasses.fields(LaunchSettings))
+"""The launch settings' fields, in the order the table names them."""
 
 
 def candidates(sweep: str, default: LaunchSettings, args: argparse.Namespace) -> Iterator[LaunchSettings]:
@@ -85,8 +87,7 @@ def sweep_rows(sweep: str, case: AttentionCase, reference: torch.Tensor, args: a
 
 
 def _label(row: dict[str, Any]) -> str:
-    return ", ".join(f"{name} {row[name]}" for name in ("block_n", "map_block_n", "num_warps", "num_stages",
-                                                         "programs_per_sm"))  # fmt: skip
+    return ", ".join(f"{name} {row[name]}" for name in FIELDS)
 
 
 def summary(sweep: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -99,7 +100,7 @@ def summary(sweep: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
         result.update(
             default_ms=default["median_ms"],
             best_ms=best["median_ms"],
-            best={field.name: best[field.name] for field in dataclasses.fields(LaunchSettings)},
+            best={name: best[name] for name in FIELDS},
             speedup_vs_default=speedup(default["median_ms"], best["median_ms"]),
         )
     return result
@@ -176,8 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         summaries.append(summary(sweep, sweep_result))
     meta = {key: value for key, value in vars(args).items() if key not in ("results_dir", "cpu_default")}
     meta["summaries"] = summaries
-    name = f"kernels_sweep_{args.device}"
-    publish(name, rows, meta, table=table, directory=args.results_dir)
+    publish(f"kernels_sweep_{args.device}", rows, meta, table=table, directory=args.results_dir)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ import torch
 from t5core.atomic import write_text_atomic
 
 __all__ = [
-    "RESULTS_DIR", "SPEEDUP_VS_SOFTMAX", "environment", "fmt_ms", "fmt_x", "header_line", "markdown_table",
-    "owner_module", "publish", "speedup", "spread", "summarize", "time_call", "time_fn", "time_in_turn", "write_json",
+    "REPO_ROOT", "RESULTS_DIR", "SPEEDUP_VS_SOFTMAX", "environment", "fmt_ms", "fmt_x", "header_line", "markdown_table",
+    "owner_module", "publish", "speedup", "spread", "summarize", "time_call", "time_fn", "time_in_turn", "time_paths",
+    "write_json",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -45,14 +46,10 @@ def speedup(baseline_ms: float, new_ms: float) -> float:
     return baseline_ms / new_ms
 
 
-def _cuda_in_use() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
 def time_call(fn: Callable[[], Any]) -> float:
     """The time of one `fn()` call in milliseconds: CUDA events after a device synchronisation when `fn`
     uses CUDA (queued work is not mistaken for finished work), else wall-clock `perf_counter`."""
-    if _cuda_in_use():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -78,26 +75,28 @@ def summarize(times_ms: list[float]) -> dict[str, float]:
 
 def time_fn(fn: Callable[[], Any], *, warmup: int = 5, reps: int = 20) -> dict[str, float]:
     """`{"median_ms", "p20_ms", "p80_ms"}` of `reps` timed calls of `fn()` (at least 2) after `warmup`
-    untimed ones: `time_in_turn` of one path. Inputs must be built before the call."""
-    return summarize(time_in_turn({"fn": fn}, rounds=reps, warmup=warmup)["fn"])
+    untimed ones: `time_paths` of one path. Inputs must be built before the call."""
+    return time_paths({"fn": fn}, rounds=reps, warmup=warmup)["fn"]
+
+
+def time_paths(
+    fns: Mapping[str, Callable[[], Any]], *, rounds: int, calls: int = 1, warmup: int = 1
+) -> dict[str, dict[str, float]]:
+    """`{name: summarize(times)}` of the per-round times `time_in_turn` takes with these arguments."""
+    per_round = time_in_turn(fns, rounds=rounds, calls=calls, warmup=warmup)
+    return {name: summarize(times) for name, times in per_round.items()}
 
 
 def time_in_turn(
     fns: Mapping[str, Callable[[], Any]], *, rounds: int, calls: int = 1, warmup: int = 1
 ) -> dict[str, list[float]]:
-    """Per-round times (ms) of several paths, from rounds that time every path in turn.
+    """Per-round times (ms) of several paths (`fns`, by name), from rounds that time every path in turn.
 
     Each path is called `warmup` times untimed first (compilation, autotuning, caches); then each of
-    `rounds` rounds times every path, in the order given, as the median of `calls` calls (`time_call`).
-    On a machine whose speed drifts (a shared host, thermal limits), paths timed one after another in
-    one round see the same conditions, so per-round ratios between paths are steadier than ratios of
-    paths timed in separate blocks.
-
-    Args:
-        fns (`Mapping[str, Callable[[], Any]]`): the paths, by name.
-        rounds (`int`): timed rounds; at least 2.
-        calls (`int`, *optional*, defaults to 1): timed calls of each path per round.
-        warmup (`int`, *optional*, defaults to 1): untimed calls of each path first.
+    `rounds` rounds (at least 2) times every path, in the order given, as the median of `calls` calls
+    (`time_call`). On a machine whose speed drifts (a shared host, thermal limits), paths timed one after
+    another in one round see the same conditions, so per-round ratios between paths are steadier than
+    ratios of paths timed in separate blocks.
 
     Returns:
         `{name: [ms per round]}`, in the order of `fns`; `summarize` turns a list into quantiles.
@@ -167,14 +166,8 @@ def header_line() -> str:
 def write_json(
     name: str, rows: list[dict[str, Any]], meta: dict[str, Any] | None = None, *, directory: Path = RESULTS_DIR
 ) -> Path:
-    """Write `{"meta": ..., "rows": ...}` to `<directory>/<name>.json` (default `benchmarks/results/`)
-    atomically.
-
-    `meta` is merged over `environment()`, so every file records where it was measured.
-
-    Returns:
-        The path written.
-    """
+    """Write `{"meta": {**environment(), **meta}, "rows": rows}` atomically to `<directory>/<name>.json`
+    (default `benchmarks/results/`), so every file records where it was measured; returns the path."""
     payload = {"meta": {**environment(), **(meta or {})}, "rows": rows}
     path = write_text_atomic(directory / f"{name}.json", json.dumps(payload, indent=2) + "\n")
     logger.info("wrote %s", path)
