@@ -321,15 +321,9 @@ def _model_step(meta: dict[str, Any]) -> list[str]:
     cells = []
     for row in rows:
         base = row["softmax_median_ms"]
-        cells.append(
-            [row["resolution"], row["tokens"], fmt_ms(base)]
-            + [
-                f"{fmt_ms(row[c + '_median_ms'])} ({fmt_x(speedup(base, row[c + '_median_ms']))})"
-                if c + "_median_ms" in row else "n/a"
-                for c in columns
-            ]
-            + [row["status"]]
-        )  # fmt: skip
+        timed = [row.get(f"{column}_median_ms") for column in columns]
+        speeds = [f"{fmt_ms(ms)} ({fmt_x(speedup(base, ms))})" if ms is not None else "n/a" for ms in timed]
+        cells.append([row["resolution"], row["tokens"], fmt_ms(base), *speeds, row["status"]])
     header = ["resolution", "N", "softmax ms", *(f"`{c.replace('_', '` ')}" for c in columns), "check"]
     return ["", intro, "", *markdown_table(header, cells)]
 
@@ -353,9 +347,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds (each times every path twice)")
     parser.add_argument("--resident", default="sdpa,chunked", help="paths whose resident rise is measured (CPU)")
     parser.add_argument("--chunk-sweep", type=int, nargs="*", default=[], help="chunk sizes at the largest grid")
-    parser.add_argument(
-        "--model-step", type=int, nargs="*", default=[], help="also the whole transformer step at these px"
-    )
+    parser.add_argument("--model-step", type=int, nargs="*", default=[], help="also time the whole model at these px")
     parser.add_argument("--peak-gbs", type=float, help="HBM peak in GB/s (default: from a table of GPUs)")
     parser.add_argument("--suffix", default="", help="appended to the JSON's name: attention_<device><suffix>")
     args = parser.parse_args(argv)

@@ -12,11 +12,10 @@ running anything; `--blocks 2 --sizes 64 --compose 64 --warmup 1 --reps 2` is a 
 The model is ComfyUI's own MMDiT with SD3.5 Medium's architecture and seeded random weights (`--blocks
 N` keeps the first N joint blocks); a step is one euler step with CFG 4.5, which ComfyUI runs as one
 model call of batch 2 or, where it judges memory short, two of batch 1 (the JSON records the calls).
-Softmax is ComfyUI's attention forced to SDPA; each T5 path is the `T5Linearize` node's output for a
-file of seeded random T5 modules: a layer spec (`paper`, `all`), `<spec>-hybrid` for hybrid joint
-attention, and a trailing `-na` for the 5x5 neighbourhood blend (`benchmarks.step_harness`). Before
-timing, each path's step must give finite latents that differ from softmax's, and each timed block
-finite outputs, else its row says FAIL.
+Softmax is ComfyUI's attention forced to SDPA; each T5 path of `--specs` is the `T5Linearize` node's
+output for a file of seeded random T5 modules (`step_harness.path_layers`). Before timing, each path's
+step must give finite latents that differ from softmax's, and each timed block finite outputs, else
+its row says FAIL.
 
 A step's time is measured (`--sizes`: the whole step timed, `step_harness.WholeRun`) or composed
 (`--compose`: the rest of the step plus one timed block of each kind, `step_harness.ComposedRun` and
@@ -84,15 +83,11 @@ def parse_args(depth: int) -> argparse.Namespace:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs first (>= 1: the first is the check)")
     parser.add_argument("--reps", type=int, default=3, help="timed rounds")
-    parser.add_argument(
-        "--block-reps", type=int, default=1, help="times each kind of block runs, timed, per round of a composed step"
-    )
+    parser.add_argument("--block-reps", type=int, default=1, help="timed runs of each kind of block per composed round")
     parser.add_argument("--suffix", default="", help="appended to the JSON's name: comfy_step_whole_<device><suffix>")
     parser.add_argument("--comfyui", type=Path, help="ComfyUI tree (default: as testing/comfy_env.py finds it)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON goes")
-    parser.add_argument(
-        "--plan", action="store_true", help="print the kinds of block each path has, from the config, and exit"
-    )
+    parser.add_argument("--plan", action="store_true", help="print each path's kinds of block from the config and exit")
     args = parser.parse_args()
     if not 1 <= args.blocks <= depth:
         parser.error(f"--blocks must be 1-{depth}; got {args.blocks}.")
@@ -167,11 +162,11 @@ def main() -> None:
                     reference = out if path.name == "softmax" else reference
                 if composed:
                     composed[path.name].prepare(warmup=args.warmup)
+            # every path in turn, its composed parts right after its whole step: both see one stretch
+            in_turn = [run for p in paths for run in (whole.get(p.name), composed.get(p.name)) if run is not None]
             for _ in range(args.reps):
-                for path in paths:  # a path's composed parts right after its whole step: both see one stretch
-                    for run in (whole.get(path.name), composed.get(path.name)):
-                        if run is not None:
-                            run.round()
+                for run in in_turn:
+                    run.round()
             measured = _rows(whole, size, "measured", calls)
             _finish(measured, paths, rows)
             by_path = _rows(composed, size, "composed", calls)
@@ -181,8 +176,7 @@ def main() -> None:
 
 
 def _save(args, config: dict, rows: list[dict[str, Any]], *, comfyui: str, calls: set, memory: PeakMemory) -> None:
-    """Write and print the rows so far: after each size's section, so a run stopped hours in keeps what it
-    measured."""
+    """Write and print the rows so far (after each size, so that a stopped run keeps what it measured)."""
     meta = {"blocks": args.blocks, "depth": config["num_layers"], "dtype": args.dtype, "comfyui": comfyui}
     meta.update(text_tokens=TEXT_TOKENS, cfg=CFG, model_calls_per_step=sorted(calls), softmax="sdpa")
     meta.update(measured_sizes=args.sizes, composed_sizes=args.compose, warmup=args.warmup, reps=args.reps)
@@ -197,8 +191,7 @@ def _save(args, config: dict, rows: list[dict[str, Any]], *, comfyui: str, calls
 
 
 def _rows(runs: dict, size: int, step: str, calls: set) -> dict[str, dict[str, Any]]:
-    """One size's rows of one kind (`step`: measured or composed) from its runs, by path; adds each step's
-    model-call batches to `calls`."""
+    """One size's rows of one kind (`step`: measured or composed), by path; adds the model-call batches to `calls`."""
     rows = {}
     for name, run in runs.items():
         calls |= run.step.calls
@@ -207,8 +200,7 @@ def _rows(runs: dict, size: int, step: str, calls: set) -> dict[str, dict[str, A
 
 
 def _compare(composed: dict[str, dict[str, Any]], measured: dict[str, dict[str, Any]]) -> None:
-    """Add composed / measured (of the medians, round by round and of the peaks) to the composed rows of a
-    path whose step was also measured, both ok."""
+    """Add composed / measured (medians, rounds, peaks) to the composed rows whose path was measured too, both ok."""
     for name, row in composed.items():
         whole = measured.get(name, {})
         if whole.get("status") == "ok" and row["status"] == "ok":

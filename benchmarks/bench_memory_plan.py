@@ -49,6 +49,7 @@ from benchmarks.bench_trainer_memory import CLIP_TOKENS, T5_TOKENS, VAE_FACTOR, 
 from benchmarks.cases import sd3_inputs
 from benchmarks.step_probes import reset_peak_resident, status_kib
 from benchmarks.timing import REPO_ROOT, header_line, markdown_table, publish
+from testing.models import sd35_medium_config
 from trainer.inputs.sources import PARTS_CONFIG_DIR
 from trainer.planning.memory import GIB, PlanSettings, plan_memory
 from trainer.planning.run_plan import (
@@ -108,7 +109,6 @@ def _measure(resolution: int) -> dict:
     """The child: build, convert, wrap and train as `trainer.train.run` does; peaks in GiB above the baseline."""
     from diffusers import SD3Transformer2DModel
 
-    from testing.models import sd35_medium_config
     from trainer.checkpoint import CheckpointManager
     from trainer.cli import parse_args
     from trainer.data import BatchPlan
@@ -160,9 +160,8 @@ def _measure(resolution: int) -> dict:
             reset_peak_resident()
             start = time.perf_counter()
             loss = train_step(parts, step)["loss/total"]
-            result[f"step_ckpt{int(checkpointing)}"] = dict(
-                peak_gib=_gib_since(baseline), seconds=time.perf_counter() - start, loss=loss
-            )
+            peak_gib, seconds = _gib_since(baseline), time.perf_counter() - start
+            result[f"step_ckpt{int(checkpointing)}"] = dict(peak_gib=peak_gib, seconds=seconds, loss=loss)
     world.close()
     shape = run_shape(arch, resolution, batch=1)
     return {**result, "counts": _fields_of(counts), "shape": _fields_of(shape), "mode": config.parallel.mode}
@@ -222,8 +221,6 @@ def _text_phase() -> dict:
 def _generation_phase(resolution: int) -> dict:
     """SD3.5 Medium's transformer, frozen, on one guided call of `GENERATED` prompts (twice as many samples)."""
     from diffusers import SD3Transformer2DModel
-
-    from testing.models import sd35_medium_config
 
     arch = sd35_medium_config()
     model = SD3Transformer2DModel(**arch).eval().requires_grad_(False)

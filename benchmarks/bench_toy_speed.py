@@ -4,13 +4,11 @@
     python -m benchmarks.bench_toy_speed --sizes 48 96 --steps 8 --batch 4
 
 Both models are the shipped toy teacher; the T5 one is converted with the `paper` spec (fresh T5
-parameters: speed does not depend on their values) and the `auto` backend (Triton on CUDA, the
-torch reference on CPU). Before timing, each size is checked: the T5 samples must be finite and,
-where `auto` picked a kernel, match the torch reference path. Softmax and T5 are timed in turn, round by round
-(`benchmarks.timing.time_in_turn`), so both see the same load on a shared host. Rows report
-milliseconds per sampling run (median over the rounds, p20-p80) and the speedup vs softmax: the median
-over the rounds of that round's softmax time / T5 time (p20-p80 beside it), so above 1 means T5 is
-faster.
+parameters: speed does not depend on their values) and the `auto` backend (Triton on CUDA, the torch
+reference on CPU). Before timing, each size is checked: the T5 samples must be finite and, where `auto`
+picked a kernel, match the torch reference path. Softmax and T5 are timed in turn, round by round
+(`benchmarks.timing.time_in_turn`), so both see the same load on a shared host; the speedup is the
+median of the rounds' own softmax time / T5 time, so above 1 means T5 is faster.
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ PATHS = {
     "triton": "`T5Attention` on the fused Triton kernels",
 }
 """Every path a case runs, by name."""
+# the modules of the paths beside `t5` (`AttentionCase.module`), by their options
 _MODULE_OPTIONS = {
-    "t5": {},
     "triton": {"backend": "triton"},
     "hybrid": {"exact_text": True},
     "hybrid_na": {"exact_text": True, "neighborhood": 5},
@@ -84,12 +84,8 @@ def softmax_backend(device: str) -> contextlib.AbstractContextManager:
 
 
 class AttentionCase:
-    """Seeded inputs of one attention shape and the T5 modules of its paths (module docstring).
-
-    Args:
-        grid (`tuple[int, int]`): the image grid `(h, w)`.
-        args (`argparse.Namespace`): the flags of `add_case_arguments`.
-    """
+    """Seeded inputs of one attention shape, the image `grid` `(h, w)` and the flags `args` of
+    `add_case_arguments`, and the T5 modules of its paths (module docstring)."""
 
     def __init__(self, grid: tuple[int, int], args: argparse.Namespace) -> None:
         self.dtype = DTYPES[args.dtype]

@@ -88,9 +88,7 @@ def render(results_dir: Path = RESULTS_DIR) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if benchmarks/README.md is out of date")
-    parser.add_argument(
-        "--results-dir", type=Path, help="render the result files in this folder and print the text (README untouched)"
-    )
+    parser.add_argument("--results-dir", type=Path, help="print this folder's result files rendered (README untouched)")
     args = parser.parse_args(argv)
     if args.results_dir is not None:
         print(render(args.results_dir), end="")

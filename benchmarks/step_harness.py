@@ -244,10 +244,9 @@ class ComposedRun:
     (a step whose blocks all pass their inputs through) and then one step in which the first block of
     each kind the path has runs `block_reps` times in every model call of the step, each run timed, on
     that call's hidden states, text tokens and conditioning vector, before passing its inputs on. A
-    kind's time in a step is the sum over the step's model calls (ComfyUI runs cond and uncond as one
-    call of batch 2, or as two of batch 1 when it judges memory short, as at 2048x2048 on CPU) of the
-    median over that call's runs. Medians over the rounds are composed; `round_ms` also composes each
-    round on its own, to compare with the whole step timed beside it.
+    kind's time in a step is the sum over the step's model calls (one of batch 2, or two of batch 1) of
+    the median over that call's runs. Medians over the rounds are composed; `round_ms` also composes
+    each round on its own, to compare with the whole step timed beside it.
     """
 
     def __init__(

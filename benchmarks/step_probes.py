@@ -31,11 +31,7 @@ __all__ = ["AttentionClock", "PeakMemory", "peak_resident_mib", "reset_peak_resi
 
 
 class AttentionClock:
-    """Time inside attention calls, summed until `take_ms()`.
-
-    Args:
-        cuda (`bool`): the calls run on CUDA (time them with events).
-    """
+    """Time inside attention calls, summed until `take_ms()`; `cuda`: the calls run on CUDA (timed with events)."""
 
     def __init__(self, *, cuda: bool) -> None:
         self.cuda = cuda
@@ -117,10 +113,8 @@ def peak_resident_mib() -> float:
 
 
 class PeakMemory:
-    """Peak memory of the work between `start()` and `stop_mib()` above the memory held at `start()`.
-
-    Args:
-        cuda (`bool`): measure CUDA's allocator instead of the process's resident set.
+    """Peak memory of the work between `start()` and `stop_mib()` above the memory held at `start()`: of
+    CUDA's allocator when `cuda`, else of the process's resident set.
 
     Raises:
         RuntimeError: on CPU, a system without `/proc/self/clear_refs` (Linux 4.0 or later is needed
