@@ -38,6 +38,7 @@ from benchmarks.timing import header_line, markdown_table, publish
 from t5core.config import T5Config
 from t5core.deltas import sd3_deltas
 from t5core.hosts.diffusers import linearize
+from testing.models import shipped_config
 from trainer.config import ModelConfig, OptimConfig
 from trainer.low_rank import low_rank_names
 from trainer.model import base_checkpoint_dtype, split_parameters
@@ -50,15 +51,6 @@ CHOICES = (("t5", 0), ("attention", 0), ("attention", 16), ("all", 0), ("all", 1
 """(`--model.trainable`, `--model.rank`) pairs: 0 = full deltas."""
 SD35_BASE_DTYPE = "16-bit"
 """The released SD3.5 checkpoints store their weights in two bytes each (float16 or bfloat16)."""
-
-
-def _toy_model():
-    from diffusers import SD3Transformer2DModel
-
-    from sd3_testbed.model import TOY_CONFIG
-
-    with torch.device("meta"):
-        return SD3Transformer2DModel(**TOY_CONFIG)
 
 
 def delta_elements(handle, split, rank: int) -> int:
@@ -145,6 +137,8 @@ def _size(count: int) -> str:
 
 
 def main() -> None:
+    from sd3_testbed.model import TOY_CONFIG
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="write benchmarks/results/file_size.json")
     parser.add_argument("--toy-weights", type=Path, help="a toy T5 file with fp32 deltas: measure the cost")
@@ -154,11 +148,11 @@ def main() -> None:
 
     print(header_line())
     toy_dtype = str(base_checkpoint_dtype(ModelConfig())).removeprefix("torch.")
-    models = {"toy": (_toy_model, toy_dtype, torch.finfo(getattr(torch, toy_dtype)).bits // 8)}
-    models.update({name: (lambda name=name: meta_model(name), SD35_BASE_DTYPE, 2) for name in PUBLISHED_PARAMS})
+    models = {"toy": (TOY_CONFIG, toy_dtype, torch.finfo(getattr(torch, toy_dtype)).bits // 8)}
+    models.update({name: (shipped_config(name), SD35_BASE_DTYPE, 2) for name in PUBLISHED_PARAMS})
     rows = []
-    for name, (build, dtype, base_bytes) in models.items():
-        model = build()
+    for name, (config, dtype, base_bytes) in models.items():
+        model = meta_model(config)
         if name in PUBLISHED_PARAMS and (failure := parameter_check(name, model)):
             rows.append({"model": name, "status": failure})
             continue

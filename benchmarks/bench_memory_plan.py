@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_trainer_memory import CLIP_TOKENS, T5_TOKENS, VAE_FACTOR, run_shape
+from benchmarks.bench_trainer_memory import T5_TOKENS, TEXT_TOKENS, VAE_FACTOR, run_shape
 from benchmarks.cases import sd3_inputs
 from benchmarks.step_probes import reset_peak_resident, status_kib
 from benchmarks.timing import REPO_ROOT, header_line, markdown_table, publish
@@ -66,8 +66,6 @@ TITLE = "Memory plan vs a measured step"
 RECIPE = REPO_ROOT / "trainer" / "configs" / "sd35_medium_24gb.toml"
 TOLERANCE = 0.15
 """The plan must come within 15% of the measured peak."""
-TEXT_TOKENS = CLIP_TOKENS + T5_TOKENS
-"""SD3's CLIP + T5 context at the default `--data.max_sequence_length`."""
 VAE_IMAGES = 2
 """Images in the measured VAE call."""
 CAPTIONS = 16

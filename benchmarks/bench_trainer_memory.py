@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import json
 import logging
 from typing import Any
 
@@ -24,8 +23,9 @@ import torch
 
 from benchmarks.timing import header_line, markdown_table, publish
 from t5core.hosts.diffusers import linearize
+from testing.models import shipped_config
 from trainer.config import ModelConfig, OptimConfig
-from trainer.model import CONFIGS_DIR, split_parameters
+from trainer.model import split_parameters
 from trainer.planning.memory import PlanSettings, count_parameters, plan_memory
 from trainer.planning.time_estimate import ParamCounts, RunShape
 
@@ -34,16 +34,17 @@ PUBLISHED_PARAMS = {"sd3.5_medium": 2_243_171_520, "sd3.5_large": 8_056_627_520}
 """Parameter counts of the released transformers, which the models built from `trainer/configs/models` must match."""
 CLIP_TOKENS = 77
 T5_TOKENS = 256
+TEXT_TOKENS = CLIP_TOKENS + T5_TOKENS
+"""SD3's CLIP + T5 context at the default `--data.max_sequence_length`."""
 VAE_FACTOR = 8
 
 
-def meta_model(name: str):
-    """The released transformer `name` (a folder of `trainer/configs/models`) on the meta device."""
+def meta_model(config: dict):
+    """An `SD3Transformer2DModel` of `config` on the meta device: no memory, no weights."""
     from diffusers import SD3Transformer2DModel
 
-    config = json.loads((CONFIGS_DIR / name / "config.json").read_text(encoding="utf-8"))
     with torch.device("meta"):
-        return SD3Transformer2DModel.from_config(config)
+        return SD3Transformer2DModel(**config)
 
 
 def parameter_check(name: str, model) -> str | None:
@@ -57,9 +58,8 @@ def run_shape(config, resolution: int, batch: int) -> RunShape:
     """The shape of one step of an SD3 transformer (its `config`) at `resolution` px with SD3's text tokens."""
     side = resolution // (VAE_FACTOR * config["patch_size"])
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
-    tokens = CLIP_TOKENS + T5_TOKENS
     return RunShape(
-        batch_per_rank=batch, image_tokens=side**2, text_tokens=tokens, hidden=hidden, depth=config["num_layers"]
+        batch_per_rank=batch, image_tokens=side**2, text_tokens=TEXT_TOKENS, hidden=hidden, depth=config["num_layers"]
     )
 
 
@@ -106,7 +106,7 @@ def main() -> None:
     print(header_line())
     rows = []
     for name in PUBLISHED_PARAMS:
-        model = meta_model(name)
+        model = meta_model(shipped_config(name))
         failure = parameter_check(name, model)
         rows += [dict(model=name, status=failure)] if failure else _plan_rows(name, model, args)
     publish("trainer_memory", rows, vars(args), table=table, write=args.json)

@@ -28,30 +28,23 @@ Attn2Run = Literal["softmax", "t5"]
 
 @dataclass(frozen=True, order=True)
 class BlockShape:
-    """The structure of one joint block.
-
-    Attributes:
-        attn2: the image stream has MMDiT-X image-only attention (`attn2`).
-        pre_only: the text stream stops after its projections (the last block: no text output).
-    """
+    """The structure of one joint block."""
 
     attn2: bool
+    """The image stream has MMDiT-X image-only attention (`attn2`)."""
     pre_only: bool
+    """The text stream stops after its projections (the last block: no text output)."""
 
 
 @dataclass(frozen=True, order=True)
 class BlockKind:
-    """A block's structure and what its attentions run; blocks of one kind cost the same.
-
-    Attributes:
-        shape: the block's structure.
-        joint: what the joint attention over [text, image] runs.
-        attn2: what `attn2` runs; None for a block without it.
-    """
+    """A block's structure (`shape`) and what its attentions run; blocks of one kind cost the same."""
 
     shape: BlockShape
     joint: JointRun
+    """What the joint attention over [text, image] runs."""
     attn2: Attn2Run | None
+    """What `attn2` runs; None for a block without it."""
 
     def label(self) -> str:
         """Short text for tables and JSON: `attn2 block: joint softmax, attn2 T5`."""
