@@ -54,6 +54,9 @@ JOINT_MODES: tuple[str, ...] = ("ttt", "hybrid")
 Merge = Literal["cumulant", "learned"]
 MERGES: tuple[str, ...] = ("cumulant", "learned")
 
+TEXT_ROW_KEYS = 2048
+"""Keys per fused call of the text queries' attention on a CPU (`text_rows`)."""
+
 # image queries per slab of the log-partition estimate: bounds its (B, H, rows, D) temporaries at 2K
 # (16384 image tokens)
 IMAGE_QUERY_ROWS = 4096
@@ -146,48 +149,67 @@ class TextPart(NamedTuple):
         offset = _log_count(m)
         if self.merge_bias is not None:
             offset = offset + self.merge_bias.float().view(1, -1, 1)
-        k_text, v_text = (x.float().transpose(1, 2) for x in (self.keys, self.values))
-        scale = k_text.shape[-1] ** -0.5
-        # one more key, the image keys' mean: its score is the estimate's linear term scale q.mu, and
-        # its value row is zero (the image part's output is added on its own)
-        keys = torch.cat((k_text, mean), dim=-2).mul_(scale).transpose(-1, -2).contiguous()
-        values = F.pad(v_text, (0, 0, 0, 1))
-        return ImageRowMerge(keys, values, _half_covariance(centred_products, m), offset)
+        k_text, v_text = (x.float().transpose(1, 2).contiguous() for x in (self.keys, self.values))
+        scaled_mean = mean * mean.shape[-1] ** -0.5
+        return ImageRowMerge(k_text, v_text, scaled_mean, _half_covariance(centred_products, m), offset)
 
 
 class ImageRowMerge(NamedTuple):
-    """`alpha o_t + (1 - alpha) o_i` for any chunk of image queries, from the text keys and the image
-    keys' mean, times scale and transposed `(B, H, D, T + 1)`, the text values and a zero row
-    `(B, H, T + 1, D)`, (scale^2 / 2) S `(B, H, D, D)` and log M (+ the merge bias)."""
+    """`alpha o_t + (1 - alpha) o_i` for any chunk of image queries, from the text keys and values
+    `(B, H, T, D)`, scale mu `(B, H, 1, D)`, (scale^2 / 2) S `(B, H, D, D)` and log M (+ the merge bias)."""
 
     keys: Tensor
     values: Tensor
+    scaled_mean: Tensor
     half_cov: Tensor
     offset: Tensor
     """log M (0-dim), or log M + the merge bias `(1, H, 1)`."""
 
     def __call__(self, q_BHND: Tensor, o_image: Tensor) -> Tensor:
         """The image rows for fp32 queries `q_BHND` `(B, H, n, D)` whose T5 output is `o_image` (a chunk
-        temporary).
+        temporary, overwritten): o_i moved toward o_t by alpha = sigmoid(log Z_t - log Z_i)."""
+        o_text, log_z_text = _attention_and_log_partition(q_BHND, self.keys, self.values)
+        log_z_image = (q_BHND @ self.half_cov).add_(self.scaled_mean).mul_(q_BHND).sum(-1).add_(self.offset)
+        alpha = log_z_text.sub_(log_z_image).sigmoid_().unsqueeze(-1)
+        return o_image.lerp_(o_text, alpha)
 
-        One softmax over the T text scores and log Z_i as a last score: its weights give
-        `alpha o_t` through the values and `1 - alpha` in the last column. The chunk's (n, T + 1)
-        scores are a temporary in cache, where a fused attention call over an extra key (`_image_rows`)
-        runs at a lower rate for so few keys.
-        """
-        scores = q_BHND @ self.keys
-        log_z_image = scores[..., -1]
-        log_z_image += ((q_BHND @ self.half_cov).mul_(q_BHND)).sum(-1).add_(self.offset)
-        weights = torch.softmax(scores, dim=-1)
-        return (weights @ self.values).addcmul_(o_image, weights[..., -1:])
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+"""PyTorch's fused CPU softmax attention, an aten op that returns the log-partition beside the output
+(the public `F.scaled_dot_product_attention` drops it); None in a torch without it, where the
+log-partitions come from the scores as on a GPU."""
+
+
+def _attention_and_log_partition(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax attention of fp32 `q` `(B, H, n, D)` over `k`, `v` `(B, H, T, D)`, and log sum_j exp(scale q.k_j)
+    per query `(B, H, n)`: in one fused call on a CPU, else from the `(n, T)` scores."""
+    if q.device.type == "cpu" and _FLASH_CPU is not None:
+        return _FLASH_CPU(q, k, v)
+    scores = (q @ k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)
+    log_z = scores.logsumexp(-1)
+    return scores.sub_(log_z.unsqueeze(-1)).exp_() @ v, log_z
 
 
 def text_rows(q_text: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Text queries' softmax attention over every key, `(B, H, T, D)` in fp32, from host-layout `(B, T, H, D)`
     queries and `(B, N, H, D)` keys and values as they are: in their dtype, as the original model attends
-    (no copy of the keys and values; the fused kernels accumulate in fp32)."""
+    (no copy of the keys and values; the fused kernels accumulate in fp32).
+
+    On a CPU the keys go in runs of `TEXT_ROW_KEYS`, each one fused call that also returns its
+    log-partition, and the runs are merged by their partition sums: a few hundred queries over a
+    whole 2K sequence run at a lower rate in one call."""
     q_t, k_all, v_all = (x.transpose(1, 2) for x in (q_text, k, v))
-    return F.scaled_dot_product_attention(q_t, k_all, v_all).float()
+    if q_t.device.type != "cpu" or _FLASH_CPU is None or k_all.shape[2] <= TEXT_ROW_KEYS:
+        return F.scaled_dot_product_attention(q_t, k_all, v_all).float()
+    runs = [
+        _FLASH_CPU(q_t, k_all[:, :, start : start + TEXT_ROW_KEYS], v_all[:, :, start : start + TEXT_ROW_KEYS])
+        for start in range(0, k_all.shape[2], TEXT_ROW_KEYS)
+    ]
+    log_z = torch.stack([log_z_run for _, log_z_run in runs]).logsumexp(0)
+    out = torch.zeros(q_t.shape, dtype=torch.float32, device=q_t.device)
+    for o_run, log_z_run in runs:
+        out.addcmul_(o_run, (log_z_run - log_z).exp_().unsqueeze(-1))
+    return out
 
 
 def hybrid_attention(

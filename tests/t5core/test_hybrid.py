@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import t5core.attention
+import t5core.hybrid
 import t5core.ttt_chunked
 from t5core import T5Attention
 from t5core.contract import check_call
@@ -83,11 +84,17 @@ CASES = [
 
 @pytest.mark.parametrize(("batch", "grid", "text", "first", "merge"), CASES)
 @pytest.mark.parametrize("one_pass", [False, True], ids=["with-autograd", "one-pass"])
-def test_matches_the_formula(batch, grid, text, first, merge, one_pass, monkeypatch):
-    """With autograd the image part is a T5 call of its own; sampling merges it chunk by chunk."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-log-partition", "from-scores"])
+def test_matches_the_formula(batch, grid, text, first, merge, one_pass, fused, monkeypatch):
+    """With autograd the image part is a T5 call of its own; sampling merges it chunk by chunk. The
+    text queries attend over runs of 5 keys, merged by their partition sums; without the fused CPU
+    kernel (as on a GPU) the log-partitions come from the scores."""
     module = _module(merge=merge)
     n = grid[0] * grid[1] + text
     q, k, v = torch.randn(3, batch, n, 2, 8).unbind(0)
+    monkeypatch.setattr(t5core.hybrid, "TEXT_ROW_KEYS", 5)
+    if not fused:
+        monkeypatch.setattr(t5core.hybrid, "_FLASH_CPU", None)
     if one_pass:
         monkeypatch.setattr(t5core.attention, "hybrid_attention", _must_not_run)
     with torch.set_grad_enabled(not one_pass):
