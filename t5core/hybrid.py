@@ -178,6 +178,8 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 """PyTorch's fused CPU softmax attention, an aten op that returns the log-partition beside the output
 (the public `F.scaled_dot_product_attention` drops it); None in a torch without it, where the
 log-partitions come from the scores as on a GPU."""
+_FLASH_CPU_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes every torch's `_FLASH_CPU` takes (older ones have no float16 kernel)."""
 
 
 def _attention_and_log_partition(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -199,7 +201,8 @@ def text_rows(q_text: Tensor, k: Tensor, v: Tensor) -> Tensor:
     log-partition, and the runs are merged by their partition sums: a few hundred queries over a
     whole 2K sequence run at a lower rate in one call."""
     q_t, k_all, v_all = (x.transpose(1, 2) for x in (q_text, k, v))
-    if q_t.device.type != "cpu" or _FLASH_CPU is None or k_all.shape[2] <= TEXT_ROW_KEYS:
+    fused = q_t.device.type == "cpu" and _FLASH_CPU is not None and q_t.dtype in _FLASH_CPU_DTYPES
+    if not fused or k_all.shape[2] <= TEXT_ROW_KEYS:
         return F.scaled_dot_product_attention(q_t, k_all, v_all).float()
     runs = [
         _FLASH_CPU(q_t, k_all[:, :, start : start + TEXT_ROW_KEYS], v_all[:, :, start : start + TEXT_ROW_KEYS])

@@ -226,3 +226,14 @@ def test_one_pass_refuses_a_bad_chunk_size(chunk_tokens):
     params, layout = check_call(q, k, v, weights=module.fast_weights(), grid=(3, 4), text_tokens=5)
     with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
         t5core.ttt_chunked.chunked_hybrid_attention(q, k, v, params, layout, chunk_tokens=chunk_tokens)
+
+
+def test_text_rows_in_float16_stay_one_call(monkeypatch):
+    """Older torch's fused CPU kernel has no float16: such text rows are one SDPA call at any length."""
+    monkeypatch.setattr(t5core.hybrid, "TEXT_ROW_KEYS", 5)
+    monkeypatch.setattr(t5core.hybrid, "_FLASH_CPU", _must_not_run)
+    q, k, v = torch.randn(3, 1, 12, 2, 8).half().unbind(0)
+    out = t5core.hybrid.text_rows(q[:, :4], k, v)
+    expected = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q[:, :4], k, v)))
+    assert out.dtype == torch.float32
+    assert_close("float16 text rows", expected.float(), out, 1e-3)
