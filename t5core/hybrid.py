@@ -73,9 +73,9 @@ def _log_count(m: int) -> Tensor:
 
 def _estimate(q_BHND: Tensor, mean: Tensor, half_cov: Tensor) -> Tensor:
     """scale q.mu + q^T half_cov q per query `(B, H, n)`, with `mean` `(B, H, 1, D)` and `half_cov`
-    `(B, H, D, D)` = (scale^2 / 2) S."""
+    `(B, H, D, D)` = (scale^2 / 2) S, as one product: q . (half_cov q + scale mu)."""
     scale = q_BHND.shape[-1] ** -0.5
-    return (q_BHND @ mean.transpose(-1, -2)).squeeze(-1) * scale + ((q_BHND @ half_cov) * q_BHND).sum(-1)
+    return (q_BHND @ half_cov).add_(mean, alpha=scale).mul_(q_BHND).sum(-1)
 
 
 def image_log_partition(q_BHND: Tensor, k_BHND: Tensor, *, rows: int = IMAGE_QUERY_ROWS) -> Tensor:
@@ -150,17 +150,17 @@ class TextPart(NamedTuple):
         if self.merge_bias is not None:
             offset = offset + self.merge_bias.float().view(1, -1, 1)
         k_text, v_text = (x.float().transpose(1, 2).contiguous() for x in (self.keys, self.values))
-        scaled_mean = mean * mean.shape[-1] ** -0.5
-        return ImageRowMerge(k_text, v_text, scaled_mean, _half_covariance(centred_products, m), offset)
+        return ImageRowMerge(k_text, v_text, mean, _half_covariance(centred_products, m), offset)
 
 
 class ImageRowMerge(NamedTuple):
     """`alpha o_t + (1 - alpha) o_i` for any chunk of image queries, from the text keys and values
-    `(B, H, T, D)`, scale mu `(B, H, 1, D)`, (scale^2 / 2) S `(B, H, D, D)` and log M (+ the merge bias)."""
+    `(B, H, T, D)`, the image keys' mean `(B, H, 1, D)`, (scale^2 / 2) S `(B, H, D, D)` and log M (+ the
+    merge bias)."""
 
     keys: Tensor
     values: Tensor
-    scaled_mean: Tensor
+    mean: Tensor
     half_cov: Tensor
     offset: Tensor
     """log M (0-dim), or log M + the merge bias `(1, H, 1)`."""
@@ -169,7 +169,7 @@ class ImageRowMerge(NamedTuple):
         """The image rows for fp32 queries `q_BHND` `(B, H, n, D)` whose T5 output is `o_image` (a chunk
         temporary, overwritten): o_i moved toward o_t by alpha = sigmoid(log Z_t - log Z_i)."""
         o_text, log_z_text = _attention_and_log_partition(q_BHND, self.keys, self.values)
-        log_z_image = (q_BHND @ self.half_cov).add_(self.scaled_mean).mul_(q_BHND).sum(-1).add_(self.offset)
+        log_z_image = _estimate(q_BHND, self.mean, self.half_cov).add_(self.offset)
         alpha = log_z_text.sub_(log_z_image).sigmoid_().unsqueeze(-1)
         return o_image.lerp_(o_text, alpha)
 
