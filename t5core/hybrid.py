@@ -182,10 +182,15 @@ _FLASH_CPU_DTYPES = (torch.float32, torch.bfloat16)
 """The dtypes every torch's `_FLASH_CPU` takes (older ones have no float16 kernel)."""
 
 
+def _fused_on_cpu(x: Tensor) -> bool:
+    """Whether `_FLASH_CPU` can take `x`: a CPU tensor of a dtype it has a kernel for, in a torch that has it."""
+    return x.device.type == "cpu" and _FLASH_CPU is not None and x.dtype in _FLASH_CPU_DTYPES
+
+
 def _attention_and_log_partition(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Softmax attention of fp32 `q` `(B, H, n, D)` over `k`, `v` `(B, H, T, D)`, and log sum_j exp(scale q.k_j)
     per query `(B, H, n)`: in one fused call on a CPU, else from the `(n, T)` scores."""
-    if q.device.type == "cpu" and _FLASH_CPU is not None:
+    if _fused_on_cpu(q):
         return _FLASH_CPU(q, k, v)
     scores = (q @ k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)
     log_z = scores.logsumexp(-1)
@@ -197,12 +202,11 @@ def text_rows(q_text: Tensor, k: Tensor, v: Tensor) -> Tensor:
     queries and `(B, N, H, D)` keys and values as they are: in their dtype, as the original model attends
     (no copy of the keys and values; the fused kernels accumulate in fp32).
 
-    On a CPU the keys go in runs of `TEXT_ROW_KEYS`, each one fused call that also returns its
+    On a CPU, in float32 or bfloat16, the keys go in runs of `TEXT_ROW_KEYS`, each one fused call that also returns its
     log-partition, and the runs are merged by their partition sums: a few hundred queries over a
     whole 2K sequence run at a lower rate in one call."""
     q_t, k_all, v_all = (x.transpose(1, 2) for x in (q_text, k, v))
-    fused = q_t.device.type == "cpu" and _FLASH_CPU is not None and q_t.dtype in _FLASH_CPU_DTYPES
-    if not fused or k_all.shape[2] <= TEXT_ROW_KEYS:
+    if not _fused_on_cpu(q_t) or k_all.shape[2] <= TEXT_ROW_KEYS:
         return F.scaled_dot_product_attention(q_t, k_all, v_all).float()
     runs = [
         _FLASH_CPU(q_t, k_all[:, :, start : start + TEXT_ROW_KEYS], v_all[:, :, start : start + TEXT_ROW_KEYS])
