@@ -31,6 +31,11 @@ JSON apart, so that a composition check and a composed-only size can be kept bes
     python -m benchmarks.bench_comfy_step --sizes --compose 2048 --specs paper paper-na all all-hybrid \
         all-hybrid-na --reps 2 --suffix _2048
 
+`--compiled` names paths (`softmax` or one of `--specs`) that also run under ComfyUI's `TorchCompileModel`
+(inductor) as rows `<path>+compile`, measured whole at `--sizes` only (a composed step times blocks from
+Python hooks, which a compiled graph would break on); their attention is not timed, for the same reason.
+The warm-up's first step compiles.
+
 Attention share and peak memory are measured as `benchmarks.step_probes` says. Needs a ComfyUI tree
 (`--comfyui`, else the one testing/comfy_env.py finds). Writes
 `benchmarks/results/comfy_step_whole_<device><suffix>.json`.
@@ -55,6 +60,7 @@ from benchmarks.step_harness import (
     StepPath,
     WholeRun,
     build_model,
+    compiled_path,
     convert_paths,
     path_layers,
 )
@@ -65,6 +71,7 @@ from testing import comfy_env
 from testing.models import sd35_medium_config
 
 TITLE = "SD3.5 Medium, one ComfyUI sampling step, whole model"
+_COMPILED_NOTE = "; `+compile`: under ComfyUI's TorchCompileModel (inductor), its attention not timed"
 COMPOSITION_GOAL = 0.05
 """Composed and measured steps must agree within 5 % where both are run, for composed times to be trusted."""
 
@@ -78,6 +85,7 @@ def parse_args(depth: int) -> argparse.Namespace:
         help="T5 paths: layer specs (t5core.layers), `<spec>-hybrid` for hybrid joint attention, a trailing "
         "`-na` for the 5x5 neighbourhood blend",
     )  # fmt: skip
+    parser.add_argument("--compiled", nargs="*", default=[], help="paths also measured compiled, at --sizes")
     parser.add_argument("--blocks", type=int, default=depth, help=f"joint blocks kept ({depth} = the whole model)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -100,6 +108,10 @@ def parse_args(depth: int) -> argparse.Namespace:
         )
     if not args.sizes and not args.compose:
         parser.error("nothing to do: give --sizes, --compose or both.")
+    if unknown := [name for name in args.compiled if name not in ["softmax", *args.specs]]:
+        parser.error(f"--compiled {' '.join(unknown)}: not softmax or one of --specs ({' '.join(args.specs)}).")
+    if args.compiled and not args.sizes:
+        parser.error("--compiled paths are measured whole only: give --sizes too.")
     if any(size % 16 for size in args.sizes + args.compose):
         parser.error("sizes must be multiples of 16 px (8x VAE, 2x2 patches).")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -145,6 +157,7 @@ def main() -> None:
         comfy.utils.PROGRESS_BAR_ENABLED = False
         model = build_model(config, args.blocks, dtype)
         paths = convert_paths(nodes, model, args.specs)
+        paths += [compiled_path(path) for path in paths if path.name in args.compiled]
         blocks = model.model.diffusion_model.joint_blocks
         shapes = [BlockShape(b.x_block.x_block_self_attn, b.context_block.pre_only) for b in blocks]
         print(header_line())
@@ -153,14 +166,14 @@ def main() -> None:
             composed = {
                 p.name: ComposedRun(Step(nodes, p, config, size, clock), p, shapes, memory, block_reps=args.block_reps)
                 for p in paths
-                if size in args.compose
+                if size in args.compose and not p.compiled
             }
             reference = None
             for path in paths:
                 if whole:
                     out = whole[path.name].prepare(reference, warmup=args.warmup)
                     reference = out if path.name == "softmax" else reference
-                if composed:
+                if path.name in composed:
                     composed[path.name].prepare(warmup=args.warmup)
             # every path in turn, its composed parts right after its whole step: both see one stretch
             in_turn = [run for p in paths for run in (whole.get(p.name), composed.get(p.name)) if run is not None]
@@ -215,12 +228,14 @@ def _finish(by_path: dict[str, dict[str, Any]], paths: list[StepPath], rows: lis
     if not by_path:
         return
     base = by_path["softmax"]
-    for path in paths:
+    for path in (path for path in paths if path.name in by_path):
         row = by_path[path.name]
         row["layers"], row["joint_mode"], row["modules"] = list(path.layers), path.joint_mode, len(path.layers)
+        row["compiled"] = path.compiled
         if row["status"] == "ok" and base["status"] == "ok":
             row["speedup_vs_softmax"] = speedup(base["median_ms"], row["median_ms"])
-            row["attention_share"] = row["attention_ms"] / row["median_ms"]
+            timed = row["attention_ms"] is not None
+            row["attention_share"] = row["attention_ms"] / row["median_ms"] if timed else None
         elif row["status"] == "ok":
             row["status"] = "softmax FAIL"
         rows.append(row)
@@ -234,6 +249,7 @@ def table(result: dict[str, Any]) -> list[str]:
         if meta["blocks"] == meta["depth"]
         else f"**only the first {meta['blocks']} of SD3.5 Medium's {meta['depth']} joint blocks**"
     )
+    compiled = any(row.get("compiled") for row in result["rows"])
     batch = " or ".join(
         f"{len(calls)} model call{'s' if len(calls) > 1 else ''} of batch {'/'.join(map(str, calls))}"
         for calls in meta["model_calls_per_step"]
@@ -242,7 +258,8 @@ def table(result: dict[str, Any]) -> list[str]:
         f"One ComfyUI {meta['comfyui']} sampling step of {model} with random weights: one euler step, CFG "
         f"{meta['cfg']:g} (cond and uncond: {batch} per step, as ComfyUI chose), {meta['text_tokens']} text tokens, "
         f"{meta['dtype']}; softmax is SDPA, T5 runs through the T5Linearize node (`-hybrid`: hybrid joint "
-        "attention, exact softmax wherever text takes part). Step *measured*: the whole step timed (median of "
+        f"attention, exact softmax wherever text takes part{_COMPILED_NOTE if compiled else ''}). "
+        "Step *measured*: the whole step timed (median of "
         f"{meta['reps']} after {meta['warmup']} warm-up). Step *composed*: the time of everything but the joint "
         "blocks plus, for every block, the time of one block of its kind, timed inside the same model's step "
         f"({meta.get('block_reps', 1)} time{'s' if meta.get('block_reps', 1) > 1 else ''} a round); "
@@ -259,7 +276,8 @@ def table(result: dict[str, Any]) -> list[str]:
             rows.append([*head, row["status"], "", "", "", ""])
             continue
         ratio = speedup(softmax[(row["size"], row["step"])], row["median_ms"])
-        cells = [fmt_ms(row["median_ms"]), fmt_x(ratio), f"{row['attention_share']:.0%}", f"{row['peak_mib']:.0f}"]
+        share = "-" if row.get("attention_share") is None else f"{row['attention_share']:.0%}"
+        cells = [fmt_ms(row["median_ms"]), fmt_x(ratio), share, f"{row['peak_mib']:.0f}"]
         check = row.get("composed_vs_measured")
         rows.append([*head, *cells, f"{check:.3f}" if check is not None else "-"])
     header = ["image", "path", "modules converted", "step", "ms", "speedup", "attention share", "peak MiB",

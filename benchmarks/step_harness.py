@@ -24,7 +24,7 @@ from testing.comfy_tiny import write_t5_weights
 
 __all__ = [
     "CFG", "HYBRID", "NEIGHBORHOOD", "TEXT_TOKENS", "ComposedRun", "Step", "StepPath", "WholeRun", "build_model",
-    "convert_paths", "path_layers",
+    "compiled_path", "convert_paths", "path_layers",
 ]  # fmt: skip
 
 TEXT_TOKENS = 154
@@ -42,6 +42,8 @@ class StepPath:
     layers: tuple[str, ...]
     joint_mode: str
     patcher: Any
+    compiled: bool = False
+    """Under `TorchCompileModel`: measured whole, attention not timed (the clock would break the graph)."""
 
 
 def build_model(config: dict, blocks: int, dtype: torch.dtype):
@@ -113,6 +115,14 @@ def convert_paths(nodes, model, specs: list[str]) -> list[StepPath]:
     return paths
 
 
+def compiled_path(path: StepPath) -> StepPath:
+    """`path` through ComfyUI's `TorchCompileModel` node (inductor), as a user puts it after T5 Linearize."""
+    from comfy_extras.nodes_torch_compile import TorchCompileModel
+
+    patcher = TorchCompileModel.execute(path.patcher, backend="inductor").result[0]
+    return StepPath(f"{path.name}+compile", path.layers, path.joint_mode, patcher, compiled=True)
+
+
 def path_layers(name: str, arch: BaseArch) -> tuple[tuple[str, ...], str, int]:
     """A T5 path's converted modules, joint mode and neighbourhood window: `<spec>` is a layer spec
     (`t5core.layers`) with joint mode `ttt`, `<spec>-hybrid` the same modules with joint mode `hybrid`,
@@ -126,7 +136,8 @@ def path_layers(name: str, arch: BaseArch) -> tuple[tuple[str, ...], str, int]:
 class Step:
     """One sampling step of a path at one size, instrumented: a clone of the path's patcher with an
     `APPLY_MODEL` wrapper (records the batch of every model call and the running diffusion model),
-    the attention clock on both attention call sites, and optional `dit` block replacements."""
+    the attention clock on both attention call sites (not on a compiled path), and optional `dit` block
+    replacements."""
 
     KEY = "bench_comfy_step"
 
@@ -136,16 +147,17 @@ class Step:
         from t5core.hosts.comfy import KEY as T5_KEY
         from t5core.hosts.comfy import arch_of
 
-        self.nodes, self.clock, self.diffusion = nodes, clock, None
+        self.nodes, self.clock, self.diffusion, self.timed = nodes, clock, None, not path.compiled
         # the batch of each model call: of the step running, and each step's sequence so far
         self.batches: list[int] = []
         self.calls: set[tuple[int, ...]] = set()
         self.patcher = path.patcher.clone()
         self.patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, self.KEY, self._wrapper())
-        options = self.patcher.model_options["transformer_options"]
-        # a plain function, not a bound method: ComfyUI deep-copies model_options, and a deep copy of a
-        # bound method would copy the clock with it
-        options["optimized_attention_override"] = lambda func, *args, **kwargs: clock.override(func, *args, **kwargs)
+        if self.timed:
+            options = self.patcher.model_options["transformer_options"]
+            # a plain function, not a bound method: ComfyUI deep-copies model_options, and a deep copy of a
+            # bound method would copy the clock with it
+            options["optimized_attention_override"] = lambda func, *a, **kw: clock.override(func, *a, **kw)
         t5 = path.patcher.get_additional_models_with_key(T5_KEY)
         self.t5_modules = [m for p in t5 for m in p.model.modules() if isinstance(m, T5Attention)]
         self.attention_modules = arch_of(path.patcher).attention_modules()
@@ -176,7 +188,7 @@ class Step:
 
     def __call__(self) -> torch.Tensor:
         self.batches = []
-        with torch.no_grad(), self.clock.hooked(self.t5_modules):
+        with torch.no_grad(), self.clock.hooked(self.t5_modules if self.timed else ()):
             out = self.nodes.common_ksampler(
                 self.patcher, 0, 1, CFG, "euler", "sgm_uniform", self.conds[0], self.conds[1], self.latent
             )[0]["samples"]
@@ -215,6 +227,8 @@ class WholeRun:
         self.times.append(time_call(self.step))
         if first:
             self.peak, self.held = self.memory.stop_mib()
+        if not self.step.timed:
+            return
         expected = len(self.step.attention_modules) * len(self.step.batches)
         if clock.calls != expected:
             raise RuntimeError(
@@ -229,8 +243,8 @@ class WholeRun:
         return {
             **summarize(self.times),
             "times_ms": self.times,
-            "attention_ms": statistics.median(self.attention),
-            "attention_calls": len(self.step.attention_modules) * len(self.step.batches),
+            "attention_ms": statistics.median(self.attention) if self.step.timed else None,
+            "attention_calls": len(self.step.attention_modules) * len(self.step.batches) if self.step.timed else 0,
             "peak_mib": self.peak,
             "held_mib": self.held,
             "status": "ok",

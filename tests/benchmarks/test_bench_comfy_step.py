@@ -1,5 +1,5 @@
 """`benchmarks/bench_comfy_step.py`: the kinds of block each path composes for SD3.5 Medium, and the
-whole script at toy size, whole and composed, with its JSON and the report's table.
+whole script at toy size, whole, composed and compiled, with its JSON and the report's table.
 
 Run as subprocesses: tests do not import `benchmarks/`. Every expectation here is written from the
 model's definition (attn2 on blocks 0-12, `paper` = attn2 0-12 plus joint 19-23, the last block's
@@ -67,16 +67,24 @@ def test_whole_and_composed_step_at_toy_size(tmp_path):
     out = _run(
         "benchmarks.bench_comfy_step",
         "--blocks", "2", "--sizes", "64", "--compose", "64", "--warmup", "1", "--reps", "2", "--block-reps", "2",
-        "--specs", "paper", "all-hybrid", "all-hybrid-na", f"--comfyui={tree}", f"--results-dir={tmp_path}",
-        "--suffix", "_toy",
+        "--specs", "paper", "all-hybrid", "all-hybrid-na", "--compiled", "all-hybrid", f"--comfyui={tree}",
+        f"--results-dir={tmp_path}", "--suffix", "_toy",
     ).stdout  # fmt: skip
     assert "FAIL" not in out and "composed / measured" in out
     result = json.loads((tmp_path / "comfy_step_whole_cpu_toy.json").read_text())
     assert result["meta"]["model_calls_per_step"] == [[2]], "cond and uncond must run as one model call of batch 2"
     rows = {(row["path"], row["step"]): row for row in result["rows"]}
+    # the compiled path is measured whole only, its attention untimed, against the eager softmax step
+    compiled = rows.pop(("all-hybrid+compile", "measured"))
+    assert compiled["status"] == "ok" and compiled["compiled"] and compiled["attention_share"] is None
+    assert compiled["modules"] == 4 and compiled["windows"] == [0]
+    assert compiled["speedup_vs_softmax"] == pytest.approx(
+        rows[("softmax", "measured")]["median_ms"] / compiled["median_ms"]
+    )
     assert set(rows) == {(path, step) for path in TOY_KINDS for step in ("measured", "composed")}
     for (path, step), row in rows.items():
         assert row["status"] == "ok", row
+        assert not row["compiled"]
         base = rows[("softmax", step)]["median_ms"]
         assert row["speedup_vs_softmax"] == pytest.approx(base / row["median_ms"])
         assert 0 < row["attention_share"] < 1 and row["peak_mib"] > 0
@@ -112,4 +120,5 @@ def test_whole_and_composed_step_at_toy_size(tmp_path):
     assert "## SD3.5 Medium, one ComfyUI sampling step, whole model (`comfy_step_whole_cpu_toy.json`)" in report
     assert "only the first 2 of SD3.5 Medium's 24 joint blocks" in report
     assert "| 64x64 | `all-hybrid` | 4 | composed |" in report
+    assert "| 64x64 | `all-hybrid+compile` | 4 | measured |" in report
     assert "* composed / measured at 64x64: " in report
