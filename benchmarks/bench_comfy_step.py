@@ -1,21 +1,19 @@
 """One ComfyUI sampling step of SD3.5 Medium's whole model: softmax against T5 Linearize, through the node.
 
-The measurement, one run and one JSON (written after each size, so a stopped run keeps what it had):
-
     python -m benchmarks.bench_comfy_step --sizes 1024 --compose 1024 2048 --warmup 1 --reps 2
     python -m benchmarks.bench_comfy_step --device cuda --dtype bf16 --sizes 1024 --compose 1024 2048 \
         --warmup 2 --reps 5 --block-reps 3  # the GPU row: benchmarks/gpu_check.sh, stage step
 
-The fp32 model holds about 10 GB. `--plan` prints which kinds of block each path adds up, without
-running anything; `--blocks 2 --sizes 64 --compose 64 --warmup 1 --reps 2` is a smoke test at toy size.
-
-The model is ComfyUI's own MMDiT with SD3.5 Medium's architecture and seeded random weights (`--blocks
-N` keeps the first N joint blocks); a step is one euler step with CFG 4.5, which ComfyUI runs as one
-model call of batch 2 or, where it judges memory short, two of batch 1 (the JSON records the calls).
-Softmax is ComfyUI's attention forced to SDPA; each T5 path of `--specs` is the `T5Linearize` node's
-output for a file of seeded random T5 modules (`step_harness.path_layers`). Before timing, each path's
-step must give finite latents that differ from softmax's, and each timed block finite outputs, else
-its row says FAIL.
+The model is ComfyUI's own MMDiT with SD3.5 Medium's architecture and seeded random weights (fp32: about
+10 GB; `--blocks N` keeps the first N joint blocks, `--plan` prints the kinds of block each path adds up);
+a step is one euler step with CFG 4.5, which ComfyUI runs as one model call of batch 2 or, where it judges
+memory short, two of batch 1 (each row records its rounds' calls). Softmax is ComfyUI's attention forced
+to SDPA; each T5 path of `--specs` is the `T5Linearize` node's output for a file of seeded random T5
+modules (`step_harness.path_layers`); `--compiled` paths also run under ComfyUI's `TorchCompileModel`
+(inductor), rows `<path>+compile`, measured whole only and their attention not timed (the probes' Python
+hooks would break the graph), each round that compiled a graph left out of the median. Before timing,
+each path's step must give finite latents that differ from softmax's, and each timed block finite
+outputs, else its row says FAIL.
 
 A step's time is measured (`--sizes`: the whole step timed, `step_harness.WholeRun`) or composed
 (`--compose`: the rest of the step plus one timed block of each kind, `step_harness.ComposedRun` and
@@ -23,22 +21,10 @@ A step's time is measured (`--sizes`: the whole step timed, `step_harness.WholeR
 composed times are trusted at sizes too slow to measure whole only within 5 %. After each path's
 warm-up, `--reps` rounds time every path in turn, its whole step and right after it its composed parts
 (`--block-reps` runs of each block per round), so a slow stretch of a shared machine hits every path
-and both methods alike; each row also gives composed / measured round by round. `--suffix` names the
-JSON apart, so that a composition check and a composed-only size can be kept beside the main table:
-
-    python -m benchmarks.bench_comfy_step --sizes 1024 --compose 1024 --specs all --reps 3 --block-reps 3 \
-        --suffix _composition
-    python -m benchmarks.bench_comfy_step --sizes --compose 2048 --specs paper paper-na all all-hybrid \
-        all-hybrid-na --reps 2 --suffix _2048
-
-`--compiled` names paths (`softmax` or one of `--specs`) that also run under ComfyUI's `TorchCompileModel`
-(inductor) as rows `<path>+compile`, measured whole at `--sizes` only (a composed step times blocks from
-Python hooks, which a compiled graph would break on); their attention is not timed, for the same reason.
-The warm-up's first step compiles.
-
-Attention share and peak memory are measured as `benchmarks.step_probes` says. Needs a ComfyUI tree
-(`--comfyui`, else the one testing/comfy_env.py finds). Writes
-`benchmarks/results/comfy_step_whole_<device><suffix>.json`.
+and both methods alike. Attention share and peak memory are measured as `benchmarks.step_probes` says.
+Needs a ComfyUI tree (`--comfyui`, else the one testing/comfy_env.py finds). Writes
+`benchmarks/results/comfy_step_whole_<device><suffix>.json` after each size (`--suffix` keeps a
+composition check or a composed-only size beside the main table).
 """
 
 from __future__ import annotations
@@ -192,8 +178,8 @@ def _save(args, config: dict, rows: list[dict[str, Any]], *, comfyui: str, calls
     """Write and print the rows so far (after each size, so that a stopped run keeps what it measured)."""
     meta = {"blocks": args.blocks, "depth": config["num_layers"], "dtype": args.dtype, "comfyui": comfyui}
     meta.update(text_tokens=TEXT_TOKENS, cfg=CFG, model_calls_per_step=sorted(calls), softmax="sdpa")
-    meta.update(measured_sizes=args.sizes, composed_sizes=args.compose, warmup=args.warmup, reps=args.reps)
-    meta["block_reps"] = args.block_reps
+    meta.update(measured_sizes=args.sizes, composed_sizes=args.compose, warmup=args.warmup, reps=args.reps,
+                block_reps=args.block_reps)  # fmt: skip
     meta["attention_method"] = (
         "AttentionClock (benchmarks/step_probes.py): optimized_attention_override and T5Attention forward "
         f"hooks, {'CUDA events' if memory.cuda else 'perf_counter'}"
@@ -205,11 +191,9 @@ def _save(args, config: dict, rows: list[dict[str, Any]], *, comfyui: str, calls
 
 def _rows(runs: dict, size: int, step: str, calls: set) -> dict[str, dict[str, Any]]:
     """One size's rows of one kind (`step`: measured or composed), by path; adds the model-call batches to `calls`."""
-    rows = {}
-    for name, run in runs.items():
-        calls |= run.step.calls
-        rows[name] = {"size": size, "path": name, "step": step, **run.result(), "windows": run.step.windows()}
-    return rows
+    calls.update(*(run.step.calls for run in runs.values()))
+    return {name: {"size": size, "path": name, "step": step, **run.result(), "windows": run.step.windows()}
+            for name, run in runs.items()}  # fmt: skip
 
 
 def _compare(composed: dict[str, dict[str, Any]], measured: dict[str, dict[str, Any]]) -> None:
@@ -293,6 +277,9 @@ def table(result: dict[str, Any]) -> list[str]:
             span = f"{min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} paths ({verdict})"
             by_round = f"; round by round {min(rounds):.3f}-{max(rounds):.3f}" if rounds else ""
             checks.append(f"* composed / measured at {size}x{size}: {span}{by_round}")
+    recompiled = [row for row in result["rows"] if any(row.get("round_graphs", ()))]
+    checks += [f"* `{r['path']}` at {r['size']}x{r['size']}: graphs compiled in timed rounds {r['round_graphs']} "
+               f"(model calls {r['round_calls']}), those rounds not in its median" for r in recompiled]  # fmt: skip
     if "recomposed" in meta:
         checks.append(f"* {meta['recomposed']}")
     return [intro, "", *markdown_table(header, rows), *([""] + checks if checks else [])]

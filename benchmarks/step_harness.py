@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters as dynamo_counters
 
 from benchmarks.step_compose import BlockKind, BlockShape, compose, kinds_of
 from benchmarks.step_probes import AttentionClock, PeakMemory
@@ -203,6 +204,8 @@ class WholeRun:
         self.step, self.memory = step, memory
         self.times: list[float] = []
         self.attention: list[float] = []
+        self.round_calls: list[tuple[int, ...]] = []  # per timed round: its model calls' batches
+        self.round_graphs: list[int] = []  # per timed round: the graphs dynamo compiled in it
         self.peak = self.held = 0.0
         self.ok = False
 
@@ -224,7 +227,10 @@ class WholeRun:
         first = not self.times
         if first:
             self.memory.start()
+        graphs = dynamo_counters["stats"]["unique_graphs"]
         self.times.append(time_call(self.step))
+        self.round_graphs.append(dynamo_counters["stats"]["unique_graphs"] - graphs)
+        self.round_calls.append(tuple(self.step.batches))
         if first:
             self.peak, self.held = self.memory.stop_mib()
         if not self.step.timed:
@@ -238,11 +244,18 @@ class WholeRun:
         self.attention.append(clock.take_ms())
 
     def result(self) -> dict[str, Any]:
+        """Median and spread over the rounds that compiled no graph (a compiled path recompiles when ComfyUI
+        changes how it batches cond and uncond), with every round's time, model calls and graphs."""
         if not self.ok:
             return {"status": "FAIL"}
+        steady = [time for time, graphs in zip(self.times, self.round_graphs, strict=True) if not graphs]
+        if not steady:
+            return {"status": "FAIL: compiled in every timed round", "round_graphs": self.round_graphs}
         return {
-            **summarize(self.times),
+            **summarize(steady),
             "times_ms": self.times,
+            "round_calls": self.round_calls,
+            "round_graphs": self.round_graphs,
             "attention_ms": statistics.median(self.attention) if self.step.timed else None,
             "attention_calls": len(self.step.attention_modules) * len(self.step.batches) if self.step.timed else 0,
             "peak_mib": self.peak,

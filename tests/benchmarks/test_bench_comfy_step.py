@@ -78,6 +78,8 @@ def test_whole_and_composed_step_at_toy_size(tmp_path):
     compiled = rows.pop(("all-hybrid+compile", "measured"))
     assert compiled["status"] == "ok" and compiled["compiled"] and compiled["attention_share"] is None
     assert compiled["modules"] == 4 and compiled["windows"] == [0]
+    # its median is over the rounds that compiled no graph: the warm-up step compiled the only shape
+    assert compiled["round_graphs"] == [0, 0] and compiled["round_calls"] == [[2], [2]]
     assert compiled["speedup_vs_softmax"] == pytest.approx(
         rows[("softmax", "measured")]["median_ms"] / compiled["median_ms"]
     )
@@ -93,6 +95,7 @@ def test_whole_and_composed_step_at_toy_size(tmp_path):
         if step == "measured":
             # one model call, two joint and two attn2 modules: four attention calls per step
             assert row["attention_calls"] == 4
+            assert row["round_graphs"] == [0, 0] and row["round_calls"] == [[2], [2]]
             continue
         blocks = row["blocks"]
         assert {block["kind"]: block["count"] for block in blocks} == TOY_KINDS[path]
