@@ -280,8 +280,7 @@ def table(result: dict[str, Any]) -> list[str]:
     recompiled = [row for row in result["rows"] if any(row.get("round_graphs", ()))]
     checks += [f"* `{r['path']}` at {r['size']}x{r['size']}: graphs compiled in timed rounds {r['round_graphs']} "
                f"(model calls {r['round_calls']}), those rounds not in its median" for r in recompiled]  # fmt: skip
-    if "recomposed" in meta:
-        checks.append(f"* {meta['recomposed']}")
+    checks += [f"* {meta[key]}" for key in ("recomposed", "note") if key in meta]
     return [intro, "", *markdown_table(header, rows), *([""] + checks if checks else [])]
 
 
