@@ -250,7 +250,8 @@ class WholeRun:
             return {"status": "FAIL"}
         steady = [time for time, graphs in zip(self.times, self.round_graphs, strict=True) if not graphs]
         if not steady:
-            return {"status": "FAIL: compiled in every timed round", "round_graphs": self.round_graphs}
+            return {"status": "FAIL: compiled in every timed round", "round_calls": self.round_calls,
+                    "round_graphs": self.round_graphs}  # fmt: skip
         return {
             **summarize(steady),
             "times_ms": self.times,
