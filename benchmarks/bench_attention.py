@@ -2,7 +2,8 @@
 
     python -m benchmarks.bench_attention                                 # 64x64 and 128x128, sdpa,ref,chunked
     python -m benchmarks.bench_attention --grids 32x32 64x64 --chunk-sweep 512 1024 2048
-    python -m benchmarks.bench_attention --paths sdpa,t5,t5_image,hybrid,hybrid_na --text 154 --suffix _hybrid
+    python -m benchmarks.bench_attention --paths sdpa,t5,t5_image,text_rows,merge,hybrid,hybrid_na --text 154 \
+        --suffix _hybrid
     python -m benchmarks.bench_attention --paths sdpa,t5,triton --backward --batch 2 --text 333 --suffix _kernels \
         --model-step 1024 2048                                           # the kernels: benchmarks/gpu_check.sh
 
@@ -45,7 +46,7 @@ from typing import Any
 import torch
 
 import t5kernels
-from benchmarks.cases import PATHS, AttentionCase, add_case_arguments, goal, grid_of, sd3_inputs, softmax_backend
+from benchmarks.cases import HYBRID_PARTS, PATHS, AttentionCase, add_case_arguments, goal, grid_of, sd3_inputs, softmax_backend
 from benchmarks.step_probes import peak_resident_mib
 from benchmarks.timing import fmt_ms, fmt_x, header_line, markdown_table, publish, speedup, time_fn, time_paths
 from t5core.ttt_chunked import DEFAULT_CHUNK_TOKENS
@@ -148,13 +149,15 @@ def sweep_chunks(grid: tuple[int, int], args: argparse.Namespace) -> list[dict[s
 def _quantities(row: dict[str, Any], previous: dict[str, Any] | None, kind: str, path: str) -> dict[str, float]:
     """The quantities `GOALS` and the table use, of one path in one pass of a row. `over_parts` is the hybrid's
     time over the sum of its parts: `t5_image` timed alone, and the text's softmax FLOPs at SDPA's rate in the
-    same row (SDPA's time x `text_share`)."""
+    same row (SDPA's time x `text_share`); `over_timed_parts` over `HYBRID_PARTS` each timed alone."""
     ms = row["ms"][kind]
     ratio = speedup(ms["sdpa"]["median_ms"], ms[path]["median_ms"])
     values = {"speedup": ratio, "fraction": 1 / ratio}
     if path == "hybrid" and "t5_image" in ms:
         parts = ms["t5_image"]["median_ms"] + ms["sdpa"]["median_ms"] * row["text_share"]
         values["over_parts"] = ms[path]["median_ms"] / parts
+    if path == "hybrid" and set(HYBRID_PARTS) <= ms.keys():
+        values["over_timed_parts"] = ms[path]["median_ms"] / sum(ms[part]["median_ms"] for part in HYBRID_PARTS)
     if previous is not None and path in previous["ms"].get(kind, {}):
         values["growth"] = ms[path]["median_ms"] / previous["ms"][kind][path]["median_ms"]
     for memory in MEMORY:
@@ -197,10 +200,12 @@ def table(result: dict[str, Any]) -> list[str]:
         "resident set of a process holding the same inputs and output (`VmHWM` of two child processes)."
     ]
     parts = "hybrid" in paths and "t5_image" in paths
+    timed_parts = "hybrid" in paths and set(HYBRID_PARTS) <= set(paths)
     if parts:
         intro.append(
             "`hybrid` / parts: the hybrid's time over the sum of its parts, `t5_image` and the text's softmax "
-            "FLOPs (text queries over all keys, image queries over the text keys) at SDPA's rate in the same row."
+            "FLOPs (text queries over all keys, image queries over the text keys) at SDPA's rate in the same row"
+            + ("; / timed parts: over `t5_image` + `text_rows` + `merge`, each timed alone." if timed_parts else ".")
         )
     if "copy_gbs" in meta:
         peak = f"{meta['peak_gbs']:.0f} GB/s" if meta.get("peak_gbs") else "unknown"
@@ -210,6 +215,7 @@ def table(result: dict[str, Any]) -> list[str]:
     header += [f"`{p}` growth" for p in paths] + [f"`{p}` {kind} MiB" for kind, of in memory.items() for p in of]
     header += ["Triton GB/s"] if any("triton_bytes" in row for row in ok) else []
     header += ["`hybrid` / parts"] if parts else []
+    header += ["`hybrid` / timed parts"] if timed_parts else []
     lines, previous = [], None
     for row in rows:
         head = [row["grid"], row["image_tokens"] + text]
@@ -228,6 +234,8 @@ def table(result: dict[str, Any]) -> list[str]:
                 cells.append(f"{row['triton_bytes'] / ms['triton']['median_ms'] / 1e6:.0f}")
             if parts:
                 cells.append(fmt_x(values["hybrid"]["over_parts"]))
+            if timed_parts:
+                cells.append(fmt_x(values["hybrid"]["over_timed_parts"]))
             lines.append(cells)
         previous = row
     skipped = sorted({f"`{path}` not run: {why}" for row in rows for path, why in row.get("skipped", {}).items()})
@@ -356,6 +364,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.paths) - set(PATHS))
     if unknown or "sdpa" not in args.paths:
         parser.error(f"--paths: give sdpa (the baseline) and others of {list(PATHS)}; unknown: {unknown}.")
+    if {"text_rows", "merge"} & set(args.paths) and (args.backward or not args.text):
+        parser.error("--paths text_rows and merge time the hybrid's parts: forward only, with --text above 0.")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     return args
 

@@ -22,11 +22,12 @@ from torch import Tensor
 
 from benchmarks.timing import RESULTS_DIR
 from t5core import T5Attention
+from t5core.hybrid import TextPart, text_rows
 from t5core.ttt import t5_attention_ref
 from t5core.ttt_chunked import DEFAULT_CHUNK_TOKENS, t5_attention_chunked
 from testing.tolerances import CHUNKED_RATIO, KERNEL_RATIO, relative_rms
 
-__all__ = ["DTYPES", "PATHS", "AttentionCase", "add_case_arguments", "goal", "grid_of", "sd3_inputs", "softmax_backend"]
+__all__ = ["DTYPES", "HYBRID_PARTS", "PATHS", "AttentionCase", "add_case_arguments", "goal", "grid_of", "sd3_inputs", "softmax_backend"]
 
 Attention = Callable[[Tensor, Tensor, Tensor], Tensor]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -38,9 +39,16 @@ PATHS = {
     "hybrid": "`T5Attention(exact_text=True)`: exact softmax wherever text takes part, T5 between image tokens",
     "hybrid_na": "hybrid with the 5x5 neighbourhood softmax blended into the image rows (`neighborhood=5`)",
     "t5_image": "the hybrid's T5 part alone: `T5Attention` on `--backend` over the image tokens only",
+    "text_rows": "the hybrid's text rows alone: the text queries' softmax over all keys (`t5core.hybrid.text_rows`)",
+    "merge": "the hybrid's image-row merge alone: the image keys' mean and covariance, then per chunk of "
+    "image queries their exact attention over the text keys, the log-partition estimate and the blend into "
+    "`t5_image`'s output (`t5core.hybrid.TextPart.merger`; each chunk's output copied in as the temporary it "
+    "overwrites)",
     "triton": "`T5Attention` on the fused Triton kernels",
 }
 """Every path a case runs, by name."""
+HYBRID_PARTS = ("t5_image", "text_rows", "merge")
+"""The paths that time the hybrid's parts alone (forward only, and only with text)."""
 # the modules of the paths beside `t5` (`AttentionCase.module`), by their options
 _MODULE_OPTIONS = {
     "triton": {"backend": "triton"},
@@ -103,6 +111,7 @@ class AttentionCase:
         self._args = args
         self.layout = dict(grid=grid, text_tokens=args.text, text_first=True)
         self._reference: Tensor | None = None
+        self._image_output: Tensor | None = None
 
     def parameters(self) -> dict:
         """The module's parameters and the token layout, as `t5_attention(q, k, v, **...)` takes them."""
@@ -123,12 +132,33 @@ class AttentionCase:
         if path == "t5_image":
             t = self.text
             return self.module(q[:, t:], k[:, t:], v[:, t:], grid=self.layout["grid"])
+        if path == "text_rows":
+            return text_rows(q[:, : self.text], k, v).transpose(1, 2)
+        if path == "merge":
+            return self._merge(q, k, v)
         if path not in self._modules:
             args = self._args
             module = T5Attention(args.heads, args.head_dim, **{"backend": self.backend, **_MODULE_OPTIONS[path]})
             module.load_state_dict(self.module.state_dict())
             self._modules[path] = module.to(args.device)
         return self._modules[path](q, k, v, **self.layout)
+
+    def _merge(self, q: Tensor, k: Tensor, v: Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+        """The `merge` path: the hybrid's image rows `(B, M, H, D)` from `t5_image`'s output (computed once)."""
+        t = self.text
+        if self._image_output is None:
+            self._image_output = self.call("t5_image", q, k, v).float().transpose(1, 2).contiguous()
+        k_img = k[:, t:].float().transpose(1, 2)
+        mean = k_img.mean(-2, keepdim=True)
+        centred = k_img - mean
+        merge = TextPart(k[:, :t], v[:, :t]).merger(mean, centred.transpose(-1, -2) @ centred, k_img.shape[-2])
+        q_img, o_img = q[:, t:], self._image_output
+        rows = [
+            merge(q_img[:, start : start + chunk_tokens].float().transpose(1, 2),
+                  o_img[:, :, start : start + chunk_tokens].clone())
+            for start in range(0, q_img.shape[1], chunk_tokens)
+        ]  # fmt: skip
+        return torch.cat(rows, dim=2).transpose(1, 2)
 
     def forward(self, path: str | Attention, **options: int) -> Callable[[], Tensor]:
         """A no-grad forward of `path` (a key of `PATHS`, or any `(q, k, v) -> out`) on the case's inputs
@@ -164,11 +194,15 @@ class AttentionCase:
         """`(relative RMS error, bound)` of `path` against what it must equal, or None for a path that is a
         reference itself: T5 against the fp32 reference (over the image tokens for `t5_image`); a hybrid's
         text rows against SDPA's and its whole output, computed without autograd, against the same module
-        with it (the image part as a T5 call of its own, merged after it)."""
+        with it (the image part as a T5 call of its own, merged after it); `text_rows` against SDPA's text
+        rows and `merge` against the hybrid's image rows."""
         if path in ("sdpa", "ref") or (path.startswith("hybrid") and not self.text):
             return None
         out = self.forward(path)().float()
         bound = (CHUNKED_RATIO if path == "chunked" else KERNEL_RATIO)[self.dtype]
+        if path in ("text_rows", "merge"):
+            whole = self.forward("sdpa" if path == "text_rows" else "hybrid")().float()
+            return relative_rms(whole[:, : self.text] if path == "text_rows" else whole[:, self.text :], out), bound
         if path.startswith("hybrid"):
             sdpa = self.forward("sdpa")().float()
             with torch.enable_grad():

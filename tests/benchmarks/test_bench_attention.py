@@ -57,3 +57,24 @@ def test_every_torch_path_is_checked_timed_and_rendered(tmp_path):
 def test_paths_need_the_softmax_baseline():
     result = _run("benchmarks.bench_attention", "--paths=ref,chunked", check=False)
     assert result.returncode == 2 and "give sdpa (the baseline)" in result.stderr
+
+
+def test_hybrid_parts_are_checked_against_the_whole_and_summed(tmp_path):
+    # 48x48 image tokens are two of the merge's chunks
+    parts = ["sdpa", "t5_image", "text_rows", "merge", "hybrid"]
+    out = _run(
+        "benchmarks.bench_attention", f"--paths={','.join(parts)}", "--grids", "2x2", "48x48", "--heads=1",
+        "--head-dim=8", "--text=3", "--rounds=2", "--resident=", "--threads=1", f"--results-dir={tmp_path}",
+    ).stdout  # fmt: skip
+    assert "FAIL" not in out and "`hybrid` / timed parts |" in out
+    rows = json.loads((tmp_path / "attention_cpu.json").read_text())["rows"]
+    for row in rows:
+        assert set(row["errors"]) == {"t5_image", "text_rows", "merge", "hybrid"}
+        assert all(error <= 1e-5 for error in row["errors"].values())
+        assert set(row["ms"]["fwd"]) == set(parts)
+
+
+def test_hybrid_parts_need_text_and_run_forward_only():
+    for flags in (["--paths=sdpa,merge"], ["--paths=sdpa,text_rows", "--text=3", "--backward"]):
+        result = _run("benchmarks.bench_attention", *flags, check=False)
+        assert result.returncode == 2 and "forward only, with --text above 0" in result.stderr
