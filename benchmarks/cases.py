@@ -27,7 +27,7 @@ from t5core.ttt import t5_attention_ref
 from t5core.ttt_chunked import DEFAULT_CHUNK_TOKENS, t5_attention_chunked
 from testing.tolerances import CHUNKED_RATIO, KERNEL_RATIO, relative_rms
 
-__all__ = ["DTYPES", "HYBRID_PARTS", "PATHS", "AttentionCase", "add_case_arguments", "goal", "grid_of", "sd3_inputs", "softmax_backend"]
+__all__ = ["DTYPES", "PATHS", "AttentionCase", "add_case_arguments", "goal", "grid_of", "sd3_inputs", "softmax_backend"]
 
 Attention = Callable[[Tensor, Tensor, Tensor], Tensor]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -47,8 +47,6 @@ PATHS = {
     "triton": "`T5Attention` on the fused Triton kernels",
 }
 """Every path a case runs, by name."""
-HYBRID_PARTS = ("t5_image", "text_rows", "merge")
-"""The paths that time the hybrid's parts alone (forward only, and only with text)."""
 # the modules of the paths beside `t5` (`AttentionCase.module`), by their options
 _MODULE_OPTIONS = {
     "triton": {"backend": "triton"},
