@@ -218,8 +218,7 @@ def _finish(by_path: dict[str, dict[str, Any]], paths: list[StepPath], rows: lis
         row["compiled"] = path.compiled
         if row["status"] == "ok" and base["status"] == "ok":
             row["speedup_vs_softmax"] = speedup(base["median_ms"], row["median_ms"])
-            timed = row["attention_ms"] is not None
-            row["attention_share"] = row["attention_ms"] / row["median_ms"] if timed else None
+            row["attention_share"] = None if row["attention_ms"] is None else row["attention_ms"] / row["median_ms"]
         elif row["status"] == "ok":
             row["status"] = "softmax FAIL"
         rows.append(row)

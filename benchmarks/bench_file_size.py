@@ -114,15 +114,9 @@ def toy_cost(path: Path, *, samples: int) -> tuple[list[dict], float]:
     }
     rows, images = [], []
     with tempfile.TemporaryDirectory(prefix="t5-file-size-") as temp:
-        rounded = t5w.save(
-            Path(temp) / path.name,
-            t5w.build_modules(loaded, loaded.config.layers),
-            arch=loaded.arch,
-            config=loaded.config,
-            deltas=rounded_deltas,
-            fingerprint=loaded.fingerprint,
-            provenance=loaded.provenance,
-        )
+        kept = {name: getattr(loaded, name) for name in ("arch", "config", "fingerprint", "provenance")}
+        modules = t5w.build_modules(loaded, loaded.config.layers)
+        rounded = t5w.save(Path(temp) / path.name, modules, deltas=rounded_deltas, **kept)
         for name, file in (("float32", path), (str(dtype).removeprefix("torch."), rounded)):
             student = linearize(load_toy_base(), weights=file).model.eval()
             score, sampled = toy_eval(student, count=samples)

@@ -141,16 +141,11 @@ def _measure(resolution: int) -> dict:
     source = _RandomSource(arch, resolution)
     with tempfile.TemporaryDirectory() as scratch:
         parts = TrainParts(
-            config=config,
-            world=world,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            source=source,
+            config=config, world=world, model=model, optimizer=optimizer, scheduler=scheduler, source=source,
             plan=BatchPlan(source.buckets(), batch_size=1, seed=0),
             checkpoints=CheckpointManager(Path(scratch) / "checkpoints", world, keep=1),
             metrics=MetricsWriter(Path(scratch) / "metrics.jsonl", enabled=False),
-        )
+        )  # fmt: skip
         result["settled_gib"] = (status_kib("VmRSS") - baseline) * 1024 / GIB
         for step, checkpointing in enumerate((False, True)):
             if checkpointing:
@@ -161,8 +156,8 @@ def _measure(resolution: int) -> dict:
             peak_gib, seconds = _gib_since(baseline), time.perf_counter() - start
             result[f"step_ckpt{int(checkpointing)}"] = dict(peak_gib=peak_gib, seconds=seconds, loss=loss)
     world.close()
-    shape = run_shape(arch, resolution, batch=1)
-    return {**result, "counts": _fields_of(counts), "shape": _fields_of(shape), "mode": config.parallel.mode}
+    shape = dataclasses.asdict(run_shape(arch, resolution, batch=1))
+    return {**result, "counts": dataclasses.asdict(counts), "shape": shape, "mode": config.parallel.mode}
 
 
 def _measure_preparation(phase: str, resolution: int) -> dict:
@@ -227,7 +222,7 @@ def _generation_phase(resolution: int) -> dict:
     return {
         "weights": sum(p.numel() for p in model.parameters()),
         "buffers": sum(b.numel() for b in model.buffers()),
-        "shape": _fields_of(run_shape(arch, resolution, batch=samples)),
+        "shape": dataclasses.asdict(run_shape(arch, resolution, batch=samples)),
     }
 
 
@@ -287,10 +282,6 @@ def _row(phase: str, plan_gib: float, measured_gib: float, **extra: Any) -> dict
     return dict(phase=phase, **rounded, **extra, ratio=round(ratio, 3), within_tolerance=abs(ratio - 1) <= TOLERANCE)
 
 
-def _fields_of(obj: object) -> dict:
-    return {name: getattr(obj, name) for name in obj.__slots__}
-
-
 def _run_child(resolution: int, phase: str = "train") -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
     command = [sys.executable, "-m", "benchmarks.bench_memory_plan", "--child", phase, "--resolution", str(resolution)]
@@ -307,11 +298,9 @@ def main() -> None:
     parser.add_argument("--preparation-resolution", type=int, default=512)
     parser.add_argument("--child", choices=("train", "vae", "decode", "text", "generate"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child == "train":
-        print(json.dumps(_measure(args.resolution)))
-        return
     if args.child:
-        print(json.dumps(_measure_preparation(args.child, args.resolution)))
+        train = args.child == "train"
+        print(json.dumps(_measure(args.resolution) if train else _measure_preparation(args.child, args.resolution)))
         return
     print(header_line())
     measured = _run_child(args.resolution)

@@ -46,8 +46,7 @@ reduce in a different order, and the ODE integrates small differences)."""
 
 
 def _inputs(size: int, batch: int, device: torch.device) -> tuple[ToyCond, torch.Tensor]:
-    captions = [str(c) for c in all_captions()[:batch]]
-    cond = ToyCond.from_captions(captions)
+    cond = ToyCond.from_captions([str(c) for c in all_captions()[:batch]])
     cond = ToyCond(*(t.to(device) for t in (cond.context, cond.pooled, cond.context_uncond, cond.pooled_uncond)))
     gen = torch.Generator().manual_seed(size)
     noise = torch.randn(batch, LATENT_CHANNELS, size // 2, size // 2, generator=gen).to(device)
@@ -94,11 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         if problem is not None:
             rows.append({**row, "status": "FAIL", "reason": problem})
             continue
-        nets = {"softmax": softmax, "t5": t5}
-        times = time_in_turn(
-            {model: partial(sample, net, cond, noise, steps=args.steps) for model, net in nets.items()},
-            rounds=args.reps,
-        )
+        run = partial(sample, cond=cond, noise=noise, steps=args.steps)
+        times = time_in_turn({"softmax": partial(run, softmax), "t5": partial(run, t5)}, rounds=args.reps)
         ratios = [speedup(s, f) for s, f in zip(times["softmax"], times["t5"], strict=True)]
         ratio, ratio_p20, ratio_p80 = spread(ratios)
         row.update(softmax=summarize(times["softmax"]), t5=summarize(times["t5"]), speedup_vs_softmax=ratio)

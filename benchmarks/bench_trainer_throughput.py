@@ -36,17 +36,10 @@ LOSS_RTOL = 1e-5
 def _train(root: Path, name: str, *, procs: int, mode: str, layers: str, args: argparse.Namespace) -> list[dict]:
     out = root / name
     flags = [
-        "--model.base", str(root / "base"),
-        "--data.source", "cache",
-        "--data.path", str(root / "cache"),
-        "--model.layers", layers,
-        "--model.trainable", "all",
-        "--training.batch_size", str(args.batch),
-        "--training.steps", str(args.steps),
-        "--checkpoint.every", "0",
-        "--parallel.mode", mode,
-        "--output.dir", str(out),
-        "--output.progress", "false",
+        "--model.base", str(root / "base"), "--model.layers", layers, "--model.trainable", "all",
+        "--data.source", "cache", "--data.path", str(root / "cache"), "--parallel.mode", mode,
+        "--training.batch_size", str(args.batch), "--training.steps", str(args.steps), "--checkpoint.every", "0",
+        "--output.dir", str(out), "--output.progress", "false",
     ]  # fmt: skip
     launcher = [sys.executable, RUN] if procs == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", RUN

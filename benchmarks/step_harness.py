@@ -54,26 +54,16 @@ def build_model(config: dict, blocks: int, dtype: torch.dtype):
     import comfy.model_patcher
     import comfy.supported_models
 
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
     unet = dict(
-        in_channels=config["in_channels"],
-        out_channels=config["out_channels"],
-        patch_size=config["patch_size"],
-        depth=config["num_layers"],
-        num_blocks=blocks,
-        adm_in_channels=config["pooled_projection_dim"],
-        pos_embed_max_size=config["pos_embed_max_size"],
-        num_patches=config["pos_embed_max_size"] ** 2,
-        qk_norm="rms" if config["qk_norm"] == "rms_norm" else None,
+        in_channels=config["in_channels"], out_channels=config["out_channels"], patch_size=config["patch_size"],
+        depth=config["num_layers"], num_blocks=blocks, adm_in_channels=config["pooled_projection_dim"],
+        pos_embed_max_size=config["pos_embed_max_size"], num_patches=config["pos_embed_max_size"] ** 2,
+        qk_norm="rms" if config["qk_norm"] == "rms_norm" else None, pos_embed_scaling_factor=None,
         x_block_self_attn_layers=[i for i in config["dual_attention_layers"] if i < blocks],
-        pos_embed_scaling_factor=None,
-        context_embedder_config={
-            "target": "torch.nn.Linear",
-            "params": {
-                "in_features": config["joint_attention_dim"],
-                "out_features": config["num_attention_heads"] * config["attention_head_dim"],
-            },
-        },
-    )
+        context_embedder_config={"target": "torch.nn.Linear",
+                                 "params": {"in_features": config["joint_attention_dim"], "out_features": hidden}},
+    )  # fmt: skip
     model_config = comfy.supported_models.SD3(unet)
     model_config.set_inference_dtype(dtype, None)
     torch.manual_seed(0)
@@ -101,16 +91,8 @@ def convert_paths(nodes, model, specs: list[str]) -> list[StepPath]:
     for name in specs:
         layers, joint_mode, neighborhood = path_layers(name, arch)
         file = f"{name.replace(':', '_').replace(',', '+')}.safetensors"
-        write_t5_weights(
-            weights_dir / file,
-            arch,
-            layers,
-            seed=1,
-            fast_weight_std=None,
-            made_by="bench_comfy_step",
-            joint_mode=joint_mode,
-            neighborhood=neighborhood,
-        )
+        write_t5_weights(weights_dir / file, arch, layers, seed=1, fast_weight_std=None, made_by="bench_comfy_step",
+                         joint_mode=joint_mode, neighborhood=neighborhood)  # fmt: skip
         patched = node.execute(model=model, weights=file, layers="", enabled=True).result[0]
         paths.append(StepPath(name, layers, joint_mode, patched))
     return paths

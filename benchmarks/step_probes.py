@@ -61,10 +61,9 @@ class AttentionClock:
         """The time summed since the last `take_ms()` (or creation), in ms; starts a new sum."""
         if self.cuda and self._spans:
             self._spans[-1][1].synchronize()
-        spans_ms = (start.elapsed_time(end) if self.cuda else (end - start) * 1e3 for start, end in self._spans)
-        total_ms = sum(spans_ms, 0.0)
+        spans_ms = [start.elapsed_time(end) if self.cuda else (end - start) * 1e3 for start, end in self._spans]
         self._spans, self.calls = [], 0
-        return total_ms
+        return sum(spans_ms, 0.0)
 
     def override(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """ComfyUI's `optimized_attention_override`: run the attention function it was given, timed."""
@@ -88,13 +87,12 @@ class AttentionClock:
                 handle.remove()
 
 
-_STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
 def status_kib(field: str) -> int:
     """A memory field of this process's `/proc/self/status` (`VmRSS`, `VmHWM`) in KiB. Linux only."""
-    found = re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+    found = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
     if found is None:
         raise RuntimeError(f"/proc/self/status has no {field}; this measurement needs Linux.")
     return int(found.group(1))

@@ -96,13 +96,9 @@ def summary(sweep: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     default = next(r for r in rows if r["default"])
     result = {"sweep": sweep, "default_status": default["status"], "timed": len(timed), "settings": len(rows)}
     if timed and default["status"] == "ok":
-        best = timed[0]
-        result.update(
-            default_ms=default["median_ms"],
-            best_ms=best["median_ms"],
-            best={name: best[name] for name in FIELDS},
-            speedup_vs_default=speedup(default["median_ms"], best["median_ms"]),
-        )
+        default_ms, best = default["median_ms"], timed[0]
+        result.update(default_ms=default_ms, best_ms=best["median_ms"], best={name: best[name] for name in FIELDS})
+        result["speedup_vs_default"] = speedup(default_ms, best["median_ms"])
     return result
 
 
@@ -164,8 +160,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     case = AttentionCase(args.grid, args)
-    reason = unsupported_reason(case.q, variant=case.module.variant)
-    if reason is not None:
+    if (reason := unsupported_reason(case.q, variant=case.module.variant)) is not None:
         raise SystemExit(f"the kernels cannot run here: {reason}")
     print(header_line())
     reference = case.reference()

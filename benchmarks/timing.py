@@ -9,6 +9,7 @@ so taken, recorded and shown the same way.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -119,13 +120,10 @@ def time_in_turn(
 
 
 def _git_commit() -> str:
+    git = functools.partial(subprocess.run, cwd=REPO_ROOT, capture_output=True, text=True)
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT, capture_output=True, text=True
-        ).stdout.strip()
+        commit = git(["git", "rev-parse", "--short", "HEAD"], check=True).stdout.strip()
+        dirty = git(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return f"{commit}+dirty" if dirty else commit
