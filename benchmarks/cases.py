@@ -133,7 +133,7 @@ class AttentionCase:
         if path == "text_rows":
             return text_rows(q[:, : self.text], k, v).transpose(1, 2)
         if path == "merge":
-            return self._merge(q, k, v)
+            return self._merge(q, k, v, chunk_tokens=chunk_tokens)
         if path not in self._modules:
             args = self._args
             module = T5Attention(args.heads, args.head_dim, **{"backend": self.backend, **_MODULE_OPTIONS[path]})
@@ -141,7 +141,7 @@ class AttentionCase:
             self._modules[path] = module.to(args.device)
         return self._modules[path](q, k, v, **self.layout)
 
-    def _merge(self, q: Tensor, k: Tensor, v: Tensor, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> Tensor:
+    def _merge(self, q: Tensor, k: Tensor, v: Tensor, *, chunk_tokens: int) -> Tensor:
         """The `merge` path: the hybrid's image rows `(B, M, H, D)` from `t5_image`'s output (computed once)."""
         t = self.text
         if self._image_output is None:
