@@ -141,12 +141,24 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+ALLOCATOR_VARIABLES = ("THP_MEM_ALLOC_ENABLE", "LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
+                       "MALLOC_TRIM_THRESHOLD_", "MALLOC_CONF")  # fmt: skip
+"""Environment variables that change how a CPU process gets its memory from the OS, and so CPU times:
+each freshly mapped page costs a fault (docs/comfyui.md, "On a CPU")."""
+
+
+def _cpu_allocator() -> str:
+    settings = [f"{name}={os.environ[name]}" for name in ALLOCATOR_VARIABLES if os.environ.get(name)]
+    return " ".join(settings) or "default"
+
+
 def environment() -> dict[str, str]:
-    """Device, CUDA, torch, Triton and git commit of this run (for headers and JSON metadata)."""
+    """Device, CUDA, torch, Triton and git commit of this run (for headers and JSON metadata); on a CPU
+    also the allocator settings from the environment."""
     if torch.cuda.is_available():
         device = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
     else:
-        device = f"cpu ({_cpu_name()}, {os.cpu_count()} cores)"
+        device = f"cpu ({_cpu_name()}, {os.cpu_count()} cores, allocator: {_cpu_allocator()})"
     try:
         import triton
 
