@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 import t5kernels
+from benchmarks import cases
 from benchmarks.cases import PATHS, AttentionCase, add_case_arguments, goal, grid_of, sd3_inputs, softmax_backend
 from benchmarks.step_probes import peak_resident_mib
 from benchmarks.timing import fmt_ms, fmt_x, header_line, markdown_table, publish, speedup, time_fn, time_paths
@@ -60,7 +61,7 @@ MEMORY = ("peak", "resident")
 # HBM peak (GB/s, vendor specs) by device-name fragment; --peak-gbs overrides.
 PEAK_GBS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100": 3350.0, "A100-SXM4-80GB": 2039.0}
 MODEL_SPECS = ("paper", "all")
-HYBRID_PARTS = ("t5_image", "text_rows", "merge")
+HYBRID_PARTS = ("t5_image", *cases.HYBRID_ROW_PARTS)
 """The paths that time the hybrid's parts alone."""
 # Through 24 blocks in bf16 the two backends' rounding differences compound; this only catches
 # garbage (a wrong kernel gives O(1)).
@@ -366,7 +367,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.paths) - set(PATHS))
     if unknown or "sdpa" not in args.paths:
         parser.error(f"--paths: give sdpa (the baseline) and others of {list(PATHS)}; unknown: {unknown}.")
-    if {"text_rows", "merge"} & set(args.paths) and (args.backward or not args.text):
+    if set(cases.HYBRID_ROW_PARTS) & set(args.paths) and (args.backward or not args.text):
         parser.error("--paths text_rows and merge time the hybrid's parts: forward only, with --text above 0.")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     return args

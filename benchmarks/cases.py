@@ -27,7 +27,8 @@ from t5core.ttt import t5_attention_ref
 from t5core.ttt_chunked import DEFAULT_CHUNK_TOKENS, t5_attention_chunked
 from testing.tolerances import CHUNKED_RATIO, KERNEL_RATIO, relative_rms
 
-__all__ = ["DTYPES", "PATHS", "AttentionCase", "add_case_arguments", "goal", "grid_of", "sd3_inputs", "softmax_backend"]
+__all__ = ["DTYPES", "HYBRID_ROW_PARTS", "PATHS", "AttentionCase", "add_case_arguments", "goal", "grid_of",
+           "sd3_inputs", "softmax_backend"]  # fmt: skip
 
 Attention = Callable[[Tensor, Tensor, Tensor], Tensor]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -47,6 +48,8 @@ PATHS = {
     "triton": "`T5Attention` on the fused Triton kernels",
 }
 """Every path a case runs, by name."""
+HYBRID_ROW_PARTS = ("text_rows", "merge")
+"""The paths that time a part of the hybrid's rows alone: forward only, and only with text."""
 # the modules of the paths beside `t5` (`AttentionCase.module`), by their options
 _MODULE_OPTIONS = {
     "triton": {"backend": "triton"},
@@ -198,7 +201,7 @@ class AttentionCase:
             return None
         out = self.forward(path)().float()
         bound = (CHUNKED_RATIO if path == "chunked" else KERNEL_RATIO)[self.dtype]
-        if path in ("text_rows", "merge"):
+        if path in HYBRID_ROW_PARTS:
             whole = self.forward("sdpa" if path == "text_rows" else "hybrid")().float()
             return relative_rms(whole[:, : self.text] if path == "text_rows" else whole[:, self.text :], out), bound
         if path.startswith("hybrid"):

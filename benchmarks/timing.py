@@ -143,13 +143,7 @@ def _cpu_name() -> str:
 
 ALLOCATOR_VARIABLES = ("THP_MEM_ALLOC_ENABLE", "LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
                        "MALLOC_TRIM_THRESHOLD_", "MALLOC_CONF")  # fmt: skip
-"""Environment variables that change how a CPU process gets its memory from the OS, and so CPU times:
-each freshly mapped page costs a fault (docs/comfyui.md, "On a CPU")."""
-
-
-def _cpu_allocator() -> str:
-    settings = [f"{name}={os.environ[name]}" for name in ALLOCATOR_VARIABLES if os.environ.get(name)]
-    return " ".join(settings) or "default"
+"""What sets how a CPU process maps its memory, and so its times (docs/comfyui.md, "On a CPU")."""
 
 
 def environment() -> dict[str, str]:
@@ -158,7 +152,8 @@ def environment() -> dict[str, str]:
     if torch.cuda.is_available():
         device = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
     else:
-        device = f"cpu ({_cpu_name()}, {os.cpu_count()} cores, allocator: {_cpu_allocator()})"
+        allocator = " ".join(f"{name}={os.environ[name]}" for name in ALLOCATOR_VARIABLES if os.environ.get(name))
+        device = f"cpu ({_cpu_name()}, {os.cpu_count()} cores, allocator: {allocator or 'default'})"
     try:
         import triton
 
