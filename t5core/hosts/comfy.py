@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -253,6 +254,19 @@ def _chain_notes(model_patcher: Any) -> list[str]:
     return []
 
 
+CPU_MEMORY_NOTE = (
+    "note: on a CPU, THP_MEM_ALLOC_ENABLE=1 in ComfyUI's environment (set before it starts) makes T5 attention "
+    "steadier and faster; see the pack's docs/comfyui.md, 'On a CPU'"
+)
+
+
+def _cpu_notes(device: torch.device) -> list[str]:
+    """The hint for a Linux CPU whose torch allocates without huge pages: T5's chunk temporaries then fault
+    in page by page (docs/comfyui.md, "On a CPU")."""
+    huge_pages = os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("", "0")
+    return [CPU_MEMORY_NOTE] if device.type == "cpu" and sys.platform.startswith("linux") and not huge_pages else []
+
+
 def _summary(prepared: Prepared, model_patcher: Any, arch: BaseArch, schedule: Schedule, backend: str) -> str:
     """What the conversion did, one fact per line: the file, modules, backend, schedule, base match and
     changes to the model's weights (the node's status output and, joined, its log line)."""
@@ -270,6 +284,7 @@ def _summary(prepared: Prepared, model_patcher: Any, arch: BaseArch, schedule: S
             f"base: {_BASE_MATCH[prepared.fingerprint_matches]}",
             f"file: {prepared.describe()}",
             *_chain_notes(model_patcher),
+            *_cpu_notes(torch.device(device)),
         )
     )
 

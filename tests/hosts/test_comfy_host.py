@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 
 import pytest
 import torch
@@ -410,6 +411,22 @@ def test_the_t5_modules_get_a_patcher_of_the_models_kind(model, weights_all, mon
     t5 = linearize(dynamic_model, weights_all).additional_models[KEY][0]
     assert type(t5) is Dynamic
     assert (t5.load_device, t5.offload_device) == (model.load_device, model.offload_device)
+
+
+@pytest.mark.parametrize(("setting", "noted"), [(None, True), ("0", True), ("1", False)])
+def test_on_a_linux_cpu_the_summary_names_the_huge_pages_setting_when_it_is_off(model, weights_all, monkeypatch,
+                                                                                 setting, noted):  # fmt: skip
+    """Without PyTorch's huge pages for CPU memory T5's chunk temporaries fault in page by page
+    (docs/comfyui.md, "On a CPU"): the status says how to turn them on, and nothing once they are."""
+    from t5core.hosts.comfy import CPU_MEMORY_NOTE, linearize, summary
+
+    if model.load_device.type != "cpu" or not sys.platform.startswith("linux"):
+        pytest.skip("the note is for a Linux CPU")
+    if setting is None:
+        monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    else:
+        monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", setting)
+    assert (CPU_MEMORY_NOTE in summary(linearize(model, weights_all)).splitlines()) is noted
 
 
 def test_the_schedule_maps_percents_to_noise_levels_as_comfyuis_controlnet_does(comfy):
