@@ -368,7 +368,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or "sdpa" not in args.paths:
         parser.error(f"--paths: give sdpa (the baseline) and others of {list(PATHS)}; unknown: {unknown}.")
     if set(cases.HYBRID_ROW_PARTS) & set(args.paths) and (args.backward or not args.text):
-        parser.error("--paths text_rows and merge time the hybrid's parts: forward only, with --text above 0.")
+        parser.error(f"--paths {' and '.join(cases.HYBRID_ROW_PARTS)}: the hybrid's parts, forward only, --text > 0.")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     return args
 

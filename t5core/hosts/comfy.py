@@ -262,8 +262,9 @@ CPU_MEMORY_NOTE = (
 
 def _cpu_notes(device: torch.device) -> list[str]:
     """The hint for a Linux CPU whose torch allocates without huge pages: T5's chunk temporaries then fault
-    in page by page (docs/comfyui.md, "On a CPU")."""
-    huge_pages = os.environ.get("THP_MEM_ALLOC_ENABLE", "0") not in ("", "0")
+    in page by page (docs/comfyui.md, "On a CPU"). torch turns them on for exactly "1" and ignores any other
+    value with a warning."""
+    huge_pages = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
     return [CPU_MEMORY_NOTE] if device.type == "cpu" and sys.platform.startswith("linux") and not huge_pages else []
 
 

@@ -413,11 +413,12 @@ def test_the_t5_modules_get_a_patcher_of_the_models_kind(model, weights_all, mon
     assert (t5.load_device, t5.offload_device) == (model.load_device, model.offload_device)
 
 
-@pytest.mark.parametrize(("setting", "noted"), [(None, True), ("0", True), ("1", False)])
+@pytest.mark.parametrize(("setting", "noted"), [(None, True), ("0", True), ("true", True), ("1", False)])
 def test_on_a_linux_cpu_the_summary_names_the_huge_pages_setting_when_it_is_off(model, weights_all, monkeypatch,
                                                                                  setting, noted):  # fmt: skip
     """Without PyTorch's huge pages for CPU memory T5's chunk temporaries fault in page by page
-    (docs/comfyui.md, "On a CPU"): the status says how to turn them on, and nothing once they are."""
+    (docs/comfyui.md, "On a CPU"): the status says how to turn them on, and nothing once they are. torch takes
+    only "1" as on ("true" is ignored with a warning), so the note stays for any other value."""
     from t5core.hosts.comfy import CPU_MEMORY_NOTE, linearize, summary
 
     if model.load_device.type != "cpu" or not sys.platform.startswith("linux"):
