@@ -3,6 +3,7 @@ work on a fine-tune of the teacher, as a file trained on SD3.5 should on a commu
 
     python -m experiments.reuse --t5-file runs/reuse-t5/t5.safetensors                # 180 samples, seed 0
     python -m experiments.reuse --t5-file runs/reuse-t5/t5.safetensors --seeds 0 1    # 360 samples
+    python -m experiments.reuse --t5-file runs/paper/t5.safetensors --own              # + the upper bound
 
 The fine-tune is the shipped teacher trained further, every weight with softmax attention, on the
 `rotated` palette (each colour word renders as the next word's colour) by the teacher's own pretraining
@@ -15,7 +16,10 @@ code (`sd3_testbed.pretrain`, recipe `FINETUNE`). It is made once and cached und
 * the fine-tune + the delta file: `linearize(fine-tune, weights=file)` adds its deltas to the fine-tune's
   weights;
 * the fine-tune + the same file as an absolute-value file (format 1-3, what the export wrote before
-  deltas): its `base.*` are the teacher's weights + the deltas, in float32, and replace the fine-tune's.
+  deltas): its `base.*` are the teacher's weights + the deltas, in float32, and replace the fine-tune's;
+* with `--own`, the fine-tune + its own file: the same recipe (`--recipe`, the trainer flags that made
+  `--t5-file`) trained on the fine-tune, its captions drawn in its palette, which no file trained on the
+  teacher can beat (the upper bound). It is cached beside the fine-tune.
 
 Every row samples the same captions and noise (`eval_set(samples, seed=s)` for each seed). It reports
 ToyEval per attribute with the per-sample hits, the paired difference against the row's reference with
@@ -30,6 +34,7 @@ import argparse
 import hashlib
 import json
 import logging
+import shlex
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -44,9 +49,13 @@ from experiments.toy_cache import CACHE, file_digest, toy_model, toy_samples
 from sd3_testbed.data import PALETTES
 from sd3_testbed.eval import ATTRIBUTES, eval_set, sample_hits, score_hits, validation_loss
 from sd3_testbed.model import WEIGHTS_FILE
+from sd3_testbed.preset import register_toy_finetune
 from sd3_testbed.pretrain import PretrainConfig, export_teacher, train_teacher
 from sd3_testbed.stats import paired_difference
 from t5core.weights import T5Weights, build_modules, load, save
+from trainer.cli import parse_args
+from trainer.presets import get_preset
+from trainer.train import run as train
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +73,7 @@ class Row:
     name: str
     description: str
     base: Literal["teacher", "finetune"]
-    weights: Literal["softmax", "deltas", "absolute"]
+    weights: Literal["softmax", "deltas", "absolute", "own"]
     reference: str | None = None
 
 
@@ -80,9 +89,19 @@ ROWS: tuple[Row, ...] = (
         "absolute",
         reference="finetune",
     ),
+    Row(
+        "finetune+own",
+        "fine-tune + its own file (the same recipe trained on the fine-tune: the upper bound)",
+        "finetune",
+        "own",
+        reference="finetune",
+    ),
 )
-EXTRA_PAIRS: tuple[tuple[str, str], ...] = (("finetune+deltas", "finetune+absolute"),)
-"""Paired differences besides each row's against its reference."""
+EXTRA_PAIRS: tuple[tuple[str, str], ...] = (
+    ("finetune+deltas", "finetune+absolute"),
+    ("finetune+deltas", "finetune+own"),
+)
+"""Paired differences besides each row's against its reference (those whose rows run)."""
 
 
 def finetuned_teacher(cfg: PretrainConfig, cache: Path, *, progress: bool = True) -> Path:
@@ -106,6 +125,35 @@ def absolute_file(weights: T5Weights, base_file: Path, path: Path) -> Path:
     modules = build_modules(weights, weights.config.layers, backend="torch")
     provenance = {**weights.provenance, "absolute_from": weights.name, "absolute_base": base_file.name}
     return save(path, modules, config=weights.config, arch=weights.arch, base=absolute, provenance=provenance)
+
+
+def own_file(recipe: list[str], finetune: Path, palette: str, cache: Path) -> Path:
+    """The T5 file of the fine-tune itself: `python trainer/run.py` with the flags `recipe`, on the fine-tune
+    `finetune` as its base, its captions drawn in `palette` (`sd3_testbed.preset.register_toy_finetune`).
+    It is trained under `cache`, named by a digest of the fine-tune and the flags, only when not there yet."""
+    made_of = json.dumps({"finetune": file_digest(finetune), "recipe": recipe})
+    folder = cache / f"own-{hashlib.sha256(made_of.encode()).hexdigest()[:16]}"
+    weights = folder / "t5.safetensors"
+    if not weights.is_file():
+        name = f"toy-finetune-{file_digest(finetune)}"
+        if get_preset(name) is None:
+            register_toy_finetune(name, finetune, palette)
+        logger.info("training the recipe %s on the fine-tune into %s", recipe, folder)
+        flags = ["--output.dir", str(folder), "--output.toy_eval_samples", "0", "--output.progress", "false"]
+        flags += ["--checkpoint.every", "0"]
+        train(parse_args([*recipe, "--model.base", name, *flags]))
+    return weights
+
+
+def recipe_mismatch(t5_file: T5Weights, own: T5Weights) -> dict[str, tuple[str | None, str | None]]:
+    """The provenance entries (but the base) in which the file trained on the fine-tune differs from `t5_file`:
+    empty when `--recipe` is the recipe that made `--t5-file`."""
+    keys = (set(t5_file.provenance) | set(own.provenance)) - {"base"}
+    return {
+        key: (t5_file.provenance.get(key), own.provenance.get(key))
+        for key in sorted(keys)
+        if t5_file.provenance.get(key) != own.provenance.get(key)
+    }
 
 
 def _format_version(path: Path) -> int:
@@ -158,6 +206,7 @@ def _interval(pair: dict) -> str:
 
 
 def summarise(
+    rows: list[Row],
     results: dict[str, dict],
     versus: dict[str, dict],
     extra: list[dict],
@@ -178,7 +227,7 @@ def summarise(
         "| color in the teacher's palette | val loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in ROWS:
+    for row in rows:
         result = results[row.name]
         score = result["toyeval"]
         vs = f"{_interval(versus[row.name])} vs {row.reference}" if row.name in versus else ""
@@ -198,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=180, help="ToyEval samples per seed (180 = every caption once)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="evaluation seeds (captions' order, noise)")
     parser.add_argument("--finetune-steps", type=int, default=FINETUNE.steps, help="steps of the teacher's fine-tune")
+    parser.add_argument(
+        "--own", action="store_true", help="add the fine-tune + a file of the same recipe trained on it (upper bound)"
+    )
+    parser.add_argument("--recipe", default="", help="with --own: the trainer flags that made --t5-file (quoted)")
     parser.add_argument("--json", default="reuse", help="name of the JSON file under --results-dir")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON and .cache/ go")
     args = parser.parse_args(argv)
@@ -220,14 +273,23 @@ def main(argv: list[str] | None = None) -> int:
             cache / f"absolute-{file_digest(args.t5_file)}-{file_digest(WEIGHTS_FILE)}.safetensors",
         ),
     }
+    if args.own:
+        files["own"] = own_file(shlex.split(args.recipe), bases["finetune"], cfg.palette, cache)
+        mismatch = recipe_mismatch(weights, load(files["own"]))
+        if mismatch:
+            parser.error(
+                f"--recipe {args.recipe!r} does not make {args.t5_file}: their provenance differs in {mismatch} "
+                "(the file's, the fine-tune's file's); give the trainer flags of the --t5-file run."
+            )
+    rows = [row for row in ROWS if row.weights in files]
     results = {}
-    for row in ROWS:
+    for row in rows:
         results[row.name] = evaluate(
             row, bases[row.base], files[row.weights], samples=args.samples, seeds=args.seeds, cache=cache
         )
         print(f"{row.name:18s} ToyEval {results[row.name]['toyeval']['overall']:.3f}", flush=True)
-    versus = {row.name: paired(results, row.name, row.reference) for row in ROWS if row.reference is not None}
-    extra = [paired(results, name, reference) for name, reference in EXTRA_PAIRS]
+    versus = {row.name: paired(results, row.name, row.reference) for row in rows if row.reference is not None}
+    extra = [paired(results, name, reference) for name, reference in EXTRA_PAIRS if reference in results]
     meta = {
         "t5_file": str(args.t5_file),
         "t5_sha256_16": file_digest(args.t5_file),
@@ -236,11 +298,12 @@ def main(argv: list[str] | None = None) -> int:
         "finetune_recipe": asdict(cfg),
         "finetune_sha256_16": file_digest(bases["finetune"]),
         "absolute_format_version": _format_version(files["absolute"]),
+        "own": {"recipe": args.recipe, "t5_sha256_16": file_digest(files["own"])} if args.own else None,
         "samples": args.samples,
         "seeds": args.seeds,
         "pairs": [*versus.values(), *extra],
     }
-    table = summarise(results, versus, extra, t5_file=args.t5_file, cfg=cfg, meta=meta)
+    table = summarise(rows, results, versus, extra, t5_file=args.t5_file, cfg=cfg, meta=meta)
     print(table)
     write_json(args.json, list(results.values()), meta={**meta, "table": table}, directory=args.results_dir)
     return 0

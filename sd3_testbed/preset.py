@@ -3,7 +3,8 @@ and model-card section. Two ablations of the toy are presets of their own, the s
 student (`sd3_testbed.baselines`): `toy-linear` runs plain elu+1 linear attention on the inherited q/k/v in
 place of T5, and `toy-no-inherit` re-initialises the converted modules' inherited attention weights, which
 then train at the new parameters' rate. No T5 weights file holds either student, so their runs write none
-(`ModelPreset.exports`).
+(`ModelPreset.exports`). `register_toy_finetune` registers the toy on a fine-tune of the teacher and the
+palette it learned, so a run makes a file of the fine-tune itself (`experiments.reuse`).
 
 Importing this module registers the preset (`trainer.presets`); the trainer imports it the first
 time it looks the name up.
@@ -12,6 +13,7 @@ time it looks the name up.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,23 +32,33 @@ from trainer.data import Batch
 from trainer.distributed import World
 from trainer.presets import ModelPreset, register_preset
 
-__all__ = ["TOY_LINEAR_PRESET", "TOY_NO_INHERIT_PRESET", "TOY_PRESET", "ToySource", "card_section", "evaluate_toy"]
+__all__ = [
+    "TOY_LINEAR_PRESET",
+    "TOY_NO_INHERIT_PRESET",
+    "TOY_PRESET",
+    "ToySource",
+    "card_section",
+    "evaluate_toy",
+    "register_toy_finetune",
+]
 
 logger = logging.getLogger(__name__)
 
 
 class ToySource:
-    """The toy's procedural captioned shapes (`sd3_testbed.data`): sample i is `make_batch(1, seed=i)`."""
+    """The toy's procedural captioned shapes (`sd3_testbed.data`): sample i is `make_batch(1, seed=i)`, its
+    colour words drawn in `palette`."""
 
-    def __init__(self, samples: int, *, size: int) -> None:
+    def __init__(self, samples: int, *, size: int, palette: toy_data.Palette = toy_data.COLORS) -> None:
         self.size = size
+        self.palette = palette
         self._buckets = {(size // 2, size // 2): list(range(samples))}
 
     def buckets(self) -> dict[tuple[int, int], list[int]]:
         return self._buckets
 
     def load(self, indices: list[int]) -> Batch:
-        parts = [toy_data.make_batch(1, seed=index, size=self.size) for index in indices]
+        parts = [toy_data.make_batch(1, seed=index, size=self.size, palette=self.palette) for index in indices]
         return Batch(
             torch.cat([p.latents for p in parts]),
             torch.cat([p.encoder_hidden_states for p in parts]),
@@ -113,14 +125,14 @@ def _largest_size() -> int:
     return int(TOY_CONFIG["pos_embed_max_size"]) * int(TOY_CONFIG["patch_size"]) * 2
 
 
-def _source(data: DataConfig) -> ToySource:
+def _source(data: DataConfig, palette: toy_data.Palette = toy_data.COLORS) -> ToySource:
     size = data.resolution or toy_data.IMAGE_SIZE
     if not 32 <= size <= _largest_size():
         raise ValueError(
             f"--data.resolution: the toy draws 32 to {_largest_size()} px images (multiples of 16); got {size}. "
             f"0 = its {toy_data.IMAGE_SIZE} px."
         )
-    return ToySource(data.toy_samples, size=size)
+    return ToySource(data.toy_samples, size=size, palette=palette)
 
 
 def _plain_linear(handle: T5Handle, config: TrainConfig) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -140,16 +152,20 @@ def _toy_preset(
     name: str,
     description: str,
     adapt_student: Callable[[T5Handle, TrainConfig], tuple[list[nn.Parameter], list[nn.Parameter]]] | None = None,
+    *,
+    weights: Path = WEIGHTS_FILE,
+    palette: str = "default",
+    evaluate: Callable[[nn.Module, TrainConfig, Path, World], dict[str, Any] | None] = evaluate_toy,
 ) -> ModelPreset:
     return register_preset(
         ModelPreset(
             name=name,
             description=description,
             data_source="toy",
-            load_base=lambda: load_toy_base().requires_grad_(True),
-            weight_files=lambda: {WEIGHTS_FILE.name: WEIGHTS_FILE},
-            build_source=_source,
-            evaluate=evaluate_toy,
+            load_base=lambda: load_toy_base(path=weights).requires_grad_(True),
+            weight_files=lambda: {weights.name: weights},
+            build_source=functools.partial(_source, palette=toy_data.PALETTES[palette]),
+            evaluate=evaluate,
             evaluation_name="toy_eval",
             card_section=card_section,
             card_note=f"The toy model samples with `ModelSamplingSD3` shift {TOY_SHIFT} and its own captions; "
@@ -159,6 +175,26 @@ def _toy_preset(
             exports=adapt_student is None,
         )
     )
+
+
+def _not_evaluated(student: nn.Module, config: TrainConfig, output: Path, world: World) -> None:
+    logger.info(
+        "ToyEval skipped: it compares with the shipped teacher; python -m experiments.reuse measures a fine-tune"
+    )
+
+
+def register_toy_finetune(name: str, weights: Path, palette: str) -> ModelPreset:
+    """Register the toy preset `name` on another SD3-named toy checkpoint, `weights` (a fine-tune of the
+    teacher), trained on its captions drawn in `palette` (a name of `sd3_testbed.data.PALETTES`), so a run
+    makes a T5 file of the fine-tune itself. Its runs skip ToyEval, which compares with the shipped teacher.
+
+    Raises:
+        KeyError: `palette` is not a palette's name.
+    """
+    if palette not in toy_data.PALETTES:
+        raise KeyError(f"palette {palette!r}: give one of {sorted(toy_data.PALETTES)}.")
+    description = f"a fine-tune of the built-in toy ({weights.name}, `{palette}` palette)"
+    return _toy_preset(name, description, weights=weights, palette=palette, evaluate=_not_evaluated)
 
 
 TOY_PRESET = _toy_preset("toy", "the built-in toy SD3.5-Medium-like model")

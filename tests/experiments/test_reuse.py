@@ -1,5 +1,6 @@
 """`experiments/reuse.py` end to end on a handful of samples: a toy delta file from a short trainer run, a
-one-step fine-tune of the teacher, every row of the comparison, and the absolute-value file it builds.
+one-step fine-tune of the teacher, every row of the comparison, the absolute-value file it builds and the
+file of the same recipe trained on the fine-tune.
 
 The script runs as a subprocess: tests do not import `experiments/`.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from sd3_testbed.model import WEIGHTS_FILE, load_toy_base
+from sd3_testbed.model import WEIGHTS_FILE, load_toy_base, toy_arch
+from t5core.deltas import fingerprint
+from t5core.file_stamp import sha256_file
 from t5core.hosts.diffusers import linearize
 from t5core.weights import load
 from trainer.cli import parse_args
@@ -25,22 +29,28 @@ from trainer.train import run as train
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = 3
-ROWS = ["teacher", "teacher+deltas", "finetune", "finetune+deltas", "finetune+absolute"]
+ROWS = ["teacher", "teacher+deltas", "finetune", "finetune+deltas", "finetune+absolute", "finetune+own"]
+RECIPE = ["--model.layers", "all", "--model.joint_mode", "hybrid", "--model.rank", "4", "--transfer.steps", "1"]
+RECIPE += ["--training.steps", "1", "--training.batch_size", "2"]
+
+
+def _reuse(t5_file: Path, folder: Path, recipe: list[str]) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "experiments.reuse", "--t5-file", str(t5_file), "--samples", str(SAMPLES)]
+    command += ["--seeds", "0", "1", "--finetune-steps", "1", "--results-dir", str(folder)]
+    command += ["--own", "--recipe", shlex.join(recipe)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
 def reuse(tmp_path_factory):
     """A rank-4 `all` hybrid delta file (one transfer step, one fine-tune step), and the reuse benchmark run
-    on it with a one-step fine-tune of the teacher; returns the folder and the file."""
+    on it with a one-step fine-tune of the teacher and the same recipe trained on that; returns the folder and
+    the file."""
     folder = tmp_path_factory.mktemp("reuse")
-    flags = ["--model.layers", "all", "--model.joint_mode", "hybrid", "--model.rank", "4", "--transfer.steps", "1"]
-    flags += ["--training.steps", "1", "--training.batch_size", "2", "--output.toy_eval_samples", "0"]
-    flags += ["--output.progress", "false", "--checkpoint.every", "0", "--output.dir", str(folder / "run")]
-    t5_file = train(parse_args(flags)).weights
-    command = [sys.executable, "-m", "experiments.reuse", "--t5-file", str(t5_file), "--samples", str(SAMPLES)]
-    command += ["--seeds", "0", "1", "--finetune-steps", "1", "--results-dir", str(folder)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    flags = [*RECIPE, "--output.toy_eval_samples", "0", "--output.progress", "false", "--checkpoint.every", "0"]
+    t5_file = train(parse_args([*flags, "--output.dir", str(folder / "run")])).weights
+    done = _reuse(t5_file, folder, RECIPE)
     assert done.returncode == 0, done.stderr[-4000:]
     return folder, Path(t5_file)
 
@@ -50,7 +60,7 @@ def test_every_row_is_scored_on_the_same_samples_with_paired_intervals(reuse):
     result = json.loads((folder / "reuse.json").read_text())
     rows = {row["row"]: row for row in result["rows"]}
     assert list(rows) == ROWS
-    assert [rows[name]["palette"] for name in ROWS] == ["default"] * 2 + ["rotated"] * 3
+    assert [rows[name]["palette"] for name in ROWS] == ["default"] * 2 + ["rotated"] * 4
     for row in rows.values():
         hits = row["hits"]
         assert set(hits) == {"color", "shape", "position", "size", "overall"}
@@ -64,7 +74,9 @@ def test_every_row_is_scored_on_the_same_samples_with_paired_intervals(reuse):
         ("teacher+deltas", "teacher"),
         ("finetune+deltas", "finetune"),
         ("finetune+absolute", "finetune"),
+        ("finetune+own", "finetune"),
         ("finetune+deltas", "finetune+absolute"),
+        ("finetune+deltas", "finetune+own"),
     }
     for (name, reference), pair in pairs.items():
         mean = (sum(rows[name]["hits"]["overall"]) - sum(rows[reference]["hits"]["overall"])) / (2 * SAMPLES)
@@ -75,7 +87,29 @@ def test_every_row_is_scored_on_the_same_samples_with_paired_intervals(reuse):
     cache = folder / ".cache"
     assert len(list(cache.glob("finetune-*.safetensors"))) == 1
     assert len(list(cache.glob("softmax-*-seed1-3-raw.safetensors"))) == 2
-    assert len(list(cache.glob("t5-*-on-*-seed1-3-raw.safetensors"))) == 3
+    assert len(list(cache.glob("t5-*-on-*-seed1-3-raw.safetensors"))) == 4
+
+
+def test_the_own_file_is_the_same_recipe_trained_on_the_fine_tune(reuse):
+    """The upper bound's file: the recipe's T5 modules and deltas, its fingerprint the fine-tune's."""
+    folder, t5_file = reuse
+    (finetune,) = (folder / ".cache").glob("finetune-*.safetensors")
+    (own_path,) = (folder / ".cache").glob("own-*/t5.safetensors")
+    own, teacher_file = load(own_path), load(t5_file)
+    assert own.fingerprint == fingerprint(load_file(str(finetune)), toy_arch())
+    assert teacher_file.fingerprint == fingerprint(load_file(str(WEIGHTS_FILE)), toy_arch())
+    assert own.config == teacher_file.config and own.deltas.keys() == teacher_file.deltas.keys()
+    assert {k: v for k, v in own.provenance.items() if k != "base"} == {
+        k: v for k, v in teacher_file.provenance.items() if k != "base"
+    }
+    result = json.loads((folder / "reuse.json").read_text())
+    assert result["meta"]["own"]["t5_sha256_16"] == sha256_file(own_path)[:16]
+
+
+def test_a_recipe_that_did_not_make_the_file_is_refused_before_sampling(reuse, tmp_path):
+    folder, t5_file = reuse
+    done = _reuse(t5_file, folder, [*RECIPE, "--model.rank", "8"])
+    assert done.returncode == 2 and "does not make" in done.stderr and "'rank'" in done.stderr
 
 
 def test_the_absolute_file_holds_the_teacher_plus_the_deltas_bit_for_bit(reuse):

@@ -126,3 +126,35 @@ def test_a_baseline_trains_and_writes_no_weights_file(tmp_path, base):
 def test_a_baseline_refuses_a_copy_or_upload(tmp_path, flag):
     with pytest.raises(ValueError, match=f"{flag}: the toy-linear base is a baseline"):
         parse_args(["--model.base", "toy-linear", flag, str(tmp_path)])
+
+
+def test_a_toy_finetune_preset_loads_its_file_and_draws_its_palette(tmp_path):
+    """`register_toy_finetune`: the base is the given checkpoint (hashed on the card) and every training
+    sample is the toy's sample of the same seed with its colours in the given palette."""
+    from sd3_testbed import data as toy_data
+    from sd3_testbed.model import WEIGHTS_FILE
+    from trainer.config import DataConfig
+
+    weights = safetensors.torch.load_file(str(WEIGHTS_FILE))
+    moved = {name: tensor + 0.01 if name.endswith("qkv.weight") else tensor for name, tensor in weights.items()}
+    path = tmp_path / "finetune.safetensors"
+    safetensors.torch.save_file(moved, str(path))
+    finetune = preset.register_toy_finetune("toy-finetune-test", path, "rotated")
+    assert get_preset("toy-finetune-test") is finetune and finetune.weight_files() == {path.name: path}
+    state = finetune.load_base().state_dict()
+    teacher = get_preset("toy").load_base().state_dict()
+    changed = [name for name in state if not torch.equal(state[name], teacher[name])]
+    assert changed and all(
+        name.rsplit(".", 2)[-2] in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+        for name in changed
+    )
+    batch = finetune.build_source(DataConfig()).load([5, 6])
+    rotated = [toy_data.make_batch(1, seed=seed, palette=toy_data.PALETTES["rotated"]) for seed in (5, 6)]
+    assert torch.equal(batch.latents, torch.cat([part.latents for part in rotated]))
+    assert not torch.equal(batch.latents, get_preset("toy").build_source(DataConfig()).load([5, 6]).latents)
+    assert finetune.evaluate(None, None, tmp_path, None) is None
+
+
+def test_a_toy_finetune_preset_names_the_palettes_it_knows(tmp_path):
+    with pytest.raises(KeyError, match="give one of"):
+        preset.register_toy_finetune("toy-finetune-bad", tmp_path / "finetune.safetensors", "sepia")
