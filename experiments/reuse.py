@@ -131,11 +131,12 @@ def own_file(recipe: list[str], finetune: Path, palette: str, cache: Path) -> Pa
     """The T5 file of the fine-tune itself: `python trainer/run.py` with the flags `recipe`, on the fine-tune
     `finetune` as its base, its captions drawn in `palette` (`sd3_testbed.preset.register_toy_finetune`).
     It is trained under `cache`, named by a digest of the fine-tune and the flags, only when not there yet."""
-    made_of = json.dumps({"finetune": file_digest(finetune), "recipe": recipe})
+    finetune_digest = file_digest(finetune)
+    made_of = json.dumps({"finetune": finetune_digest, "recipe": recipe})
     folder = cache / f"own-{hashlib.sha256(made_of.encode()).hexdigest()[:16]}"
     weights = folder / "t5.safetensors"
     if not weights.is_file():
-        name = f"toy-finetune-{file_digest(finetune)}"
+        name = f"toy-finetune-{finetune_digest}"
         if get_preset(name) is None:
             register_toy_finetune(name, finetune, palette)
         logger.info("training the recipe %s on the fine-tune into %s", recipe, folder)

@@ -106,10 +106,12 @@ def test_the_own_file_is_the_same_recipe_trained_on_the_fine_tune(reuse):
     assert result["meta"]["own"]["t5_sha256_16"] == sha256_file(own_path)[:16]
 
 
-def test_a_recipe_that_did_not_make_the_file_is_refused_before_sampling(reuse, tmp_path):
+def test_a_recipe_that_did_not_make_the_file_is_refused_before_sampling(reuse):
     folder, t5_file = reuse
+    sampled = set((folder / ".cache").glob("*-raw.safetensors"))
     done = _reuse(t5_file, folder, [*RECIPE, "--model.rank", "8"])
     assert done.returncode == 2 and "does not make" in done.stderr and "'rank'" in done.stderr
+    assert set((folder / ".cache").glob("*-raw.safetensors")) == sampled
 
 
 def test_the_absolute_file_holds_the_teacher_plus_the_deltas_bit_for_bit(reuse):
