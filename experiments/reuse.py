@@ -4,6 +4,7 @@ work on a fine-tune of the teacher, as a file trained on SD3.5 should on a commu
     python -m experiments.reuse --t5-file runs/reuse-t5/t5.safetensors                # 180 samples, seed 0
     python -m experiments.reuse --t5-file runs/reuse-t5/t5.safetensors --seeds 0 1    # 360 samples
     python -m experiments.reuse --t5-file runs/paper/t5.safetensors --own              # + the upper bound
+    python -m experiments.reuse --t5-file runs/paper/t5.safetensors --adapt 10 30      # + the file adapted
 
 The fine-tune is the shipped teacher trained further, every weight with softmax attention, on the
 `rotated` palette (each colour word renders as the next word's colour) by the teacher's own pretraining
@@ -20,6 +21,10 @@ code (`sd3_testbed.pretrain`, recipe `FINETUNE`). It is made once and cached und
 * with `--own`, the fine-tune + its own file: the same recipe (`--recipe`, the trainer flags that made
   `--t5-file`) trained on the fine-tune, its captions drawn in its palette, which no file trained on the
   teacher can beat (the upper bound). It is cached beside the fine-tune.
+* with `--adapt N [N ...]`, the fine-tune + the file adapted to it: `python trainer/run.py --model.start_from
+  FILE --training.steps N` (plus `--adapt-recipe`) on the fine-tune and its palette, which starts from the
+  file's T5 modules and deltas and trains on in its recipe (`trainer.from_file`); each is cached beside the
+  fine-tune, and paired against the file as it is and against the own file.
 
 Every row samples the same captions and noise (`eval_set(samples, seed=s)` for each seed). It reports
 ToyEval per attribute with the per-sample hits, the paired difference against the row's reference with
@@ -73,7 +78,8 @@ class Row:
     name: str
     description: str
     base: Literal["teacher", "finetune"]
-    weights: Literal["softmax", "deltas", "absolute", "own"]
+    weights: str
+    """`softmax`, `deltas`, `absolute`, `own` or `adapted-N`: the file the row applies (`main`'s `files`)."""
     reference: str | None = None
 
 
@@ -104,6 +110,22 @@ EXTRA_PAIRS: tuple[tuple[str, str], ...] = (
 """Paired differences besides each row's against its reference (those whose rows run)."""
 
 
+def adapted_rows(steps: list[int]) -> tuple[tuple[Row, ...], tuple[tuple[str, str], ...]]:
+    """The rows of the file adapted to the fine-tune for each of `steps`, and their paired differences besides
+    the one against the fine-tune: against the file as it is and against the own file."""
+    rows = tuple(
+        Row(
+            f"finetune+adapted-{n}",
+            f"fine-tune + the delta file adapted to it for {n} steps (--model.start_from)",
+            "finetune",
+            f"adapted-{n}",
+            reference="finetune",
+        )
+        for n in steps
+    )
+    return rows, tuple((row.name, other) for row in rows for other in ("finetune+deltas", "finetune+own"))
+
+
 def finetuned_teacher(cfg: PretrainConfig, cache: Path, *, progress: bool = True) -> Path:
     """The teacher fine-tuned with `cfg` (`sd3_testbed.pretrain`), written in SD3 naming under `cache`
     and named by a digest of the teacher file and the recipe (`cfg.training()`); made only when not there yet."""
@@ -127,23 +149,39 @@ def absolute_file(weights: T5Weights, base_file: Path, path: Path) -> Path:
     return save(path, modules, config=weights.config, arch=weights.arch, base=absolute, provenance=provenance)
 
 
-def own_file(recipe: list[str], finetune: Path, palette: str, cache: Path) -> Path:
-    """The T5 file of the fine-tune itself: `python trainer/run.py` with the flags `recipe`, on the fine-tune
-    `finetune` as its base, its captions drawn in `palette` (`sd3_testbed.preset.register_toy_finetune`).
-    It is trained under `cache`, named by a digest of the fine-tune and the flags, only when not there yet."""
-    finetune_digest = file_digest(finetune)
-    made_of = json.dumps({"finetune": finetune_digest, "recipe": recipe})
-    folder = cache / f"own-{hashlib.sha256(made_of.encode()).hexdigest()[:16]}"
+def _digest(made_of: dict) -> str:
+    return hashlib.sha256(json.dumps(made_of).encode()).hexdigest()[:16]
+
+
+def trained_on_finetune(flags: list[str], finetune: Path, palette: str, folder: Path) -> Path:
+    """The T5 file of `python trainer/run.py` with the flags `flags`, on the fine-tune `finetune` as its base, its
+    captions drawn in `palette` (`sd3_testbed.preset.register_toy_finetune`), trained into `folder` only when not
+    there yet."""
     weights = folder / "t5.safetensors"
     if not weights.is_file():
-        name = f"toy-finetune-{finetune_digest}"
+        name = f"toy-finetune-{file_digest(finetune)}"
         if get_preset(name) is None:
             register_toy_finetune(name, finetune, palette)
-        logger.info("training the recipe %s on the fine-tune into %s", recipe, folder)
-        flags = ["--output.dir", str(folder), "--output.toy_eval_samples", "0", "--output.progress", "false"]
-        flags += ["--checkpoint.every", "0"]
-        train(parse_args([*recipe, "--model.base", name, *flags]))
+        logger.info("training %s on the fine-tune into %s", flags, folder)
+        output = ["--output.dir", str(folder), "--output.toy_eval_samples", "0", "--output.progress", "false"]
+        train(parse_args([*flags, "--model.base", name, *output, "--checkpoint.every", "0"]))
     return weights
+
+
+def own_file(recipe: list[str], finetune: Path, palette: str, cache: Path) -> Path:
+    """The T5 file of the fine-tune itself: the flags `recipe` trained on it (`trained_on_finetune`), under
+    `cache`, named by a digest of the fine-tune and the flags."""
+    folder = cache / f"own-{_digest({'finetune': file_digest(finetune), 'recipe': recipe})}"
+    return trained_on_finetune(recipe, finetune, palette, folder)
+
+
+def adapted_file(t5_file: Path, steps: int, recipe: list[str], finetune: Path, palette: str, cache: Path) -> Path:
+    """`t5_file` adapted to the fine-tune: `--model.start_from t5_file --training.steps steps` and the flags
+    `recipe` trained on it (`trained_on_finetune`), under `cache`, named by a digest of both files, the steps and
+    the flags."""
+    made_of = {"finetune": file_digest(finetune), "t5_file": file_digest(t5_file), "steps": steps, "recipe": recipe}
+    flags = ["--model.start_from", str(t5_file), "--training.steps", str(steps), *recipe]
+    return trained_on_finetune(flags, finetune, palette, cache / f"adapted-{_digest(made_of)}")
 
 
 def recipe_mismatch(t5_file: T5Weights, own: T5Weights) -> dict[str, tuple[str | None, str | None]]:
@@ -252,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         "--own", action="store_true", help="add the fine-tune + a file of the same recipe trained on it (upper bound)"
     )
     parser.add_argument("--recipe", default="", help="with --own: the trainer flags that made --t5-file (quoted)")
+    parser.add_argument(
+        "--adapt", nargs="+", type=int, default=[], metavar="N", help="add the file adapted to the fine-tune, N steps"
+    )
+    parser.add_argument("--adapt-recipe", default="", help="with --adapt: more trainer flags for it (quoted)")
     parser.add_argument("--json", default="reuse", help="name of the JSON file under --results-dir")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON and .cache/ go")
     args = parser.parse_args(argv)
@@ -282,7 +324,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"--recipe {args.recipe!r} does not make {args.t5_file}: their provenance differs in {mismatch} "
                 "(the file's, the fine-tune's file's); give the trainer flags of the --t5-file run."
             )
-    rows = [row for row in ROWS if row.weights in files]
+    for steps in args.adapt:
+        recipe = shlex.split(args.adapt_recipe)
+        files[f"adapted-{steps}"] = adapted_file(args.t5_file, steps, recipe, bases["finetune"], cfg.palette, cache)
+    adapted, adapted_pairs = adapted_rows(args.adapt)
+    rows = [row for row in (*ROWS, *adapted) if row.weights in files]
     results = {}
     for row in rows:
         results[row.name] = evaluate(
@@ -290,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"{row.name:18s} ToyEval {results[row.name]['toyeval']['overall']:.3f}", flush=True)
     versus = {row.name: paired(results, row.name, row.reference) for row in rows if row.reference is not None}
-    extra = [paired(results, name, reference) for name, reference in EXTRA_PAIRS if reference in results]
+    pairs = (*EXTRA_PAIRS, *adapted_pairs)
+    extra = [paired(results, name, reference) for name, reference in pairs if reference in results]
     meta = {
         "t5_file": str(args.t5_file),
         "t5_sha256_16": file_digest(args.t5_file),
@@ -300,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
         "finetune_sha256_16": file_digest(bases["finetune"]),
         "absolute_format_version": _format_version(files["absolute"]),
         "own": {"recipe": args.recipe, "t5_sha256_16": file_digest(files["own"])} if args.own else None,
+        "adapted": {
+            "recipe": args.adapt_recipe,
+            "t5_sha256_16": {steps: file_digest(files[f"adapted-{steps}"]) for steps in args.adapt},
+        },
         "samples": args.samples,
         "seeds": args.seeds,
         "pairs": [*versus.values(), *extra],

@@ -34,6 +34,7 @@ __all__ = [
     "Delta",
     "TensorsOnRead",
     "diffusers_deltas",
+    "diffusers_factors",
     "fingerprint",
     "fingerprint_keys",
     "sd3_deltas",
@@ -107,6 +108,10 @@ class Delta:
     def stored(self) -> dict[str, Tensor]:
         """The tensors it is stored as, by form: `diff`, or `up` and `down`."""
         return {"diff": self.diff} if self.diff is not None else {"up": self.up, "down": self.down}
+
+    def to(self, dtype: torch.dtype) -> Delta:
+        """The same delta with its tensors in `dtype`."""
+        return Delta(**{form: tensor.to(dtype) for form, tensor in self.stored().items()})
 
     def full(self) -> Tensor:
         """The dense delta in float32, of the tensor's shape: `diff`, or the parts' `up[p] @ down[p]`
@@ -189,6 +194,28 @@ def diffusers_deltas(deltas: Mapping[str, Delta], arch: BaseArch) -> dict[str, T
         ValueError: a name that is not a weight of this architecture.
     """
     return sd3_to_diffusers({key: delta.full() for key, delta in deltas.items()}, arch)
+
+
+def diffusers_factors(deltas: Mapping[str, Delta], arch: BaseArch) -> dict[str, tuple[Tensor, Tensor]]:
+    """The low-rank ones among SD3-named `deltas` as diffusers-named factors, as `sd3_deltas` takes them: a
+    fused qkv's parts give q, k and v their own; full diffs are left out.
+
+    Returns:
+        Diffusers weight name -> (up (out, rank), down (rank, in)), the scale folded into up.
+
+    Raises:
+        ValueError: a name that is not a weight of this architecture.
+    """
+    rules = {rule.sd3: rule for rule in key_rules(arch)}
+    factors: dict[str, tuple[Tensor, Tensor]] = {}
+    for key, delta in deltas.items():
+        if not delta.low_rank:
+            continue
+        # up's rows are the weight's rows: the weight's renaming, swap and split (by rows) apply to it
+        ups = sd3_to_diffusers({key: delta.up.flatten(0, 1)}, arch)
+        for part, name in enumerate(rules[key].diffusers):
+            factors[name] = (ups[name], delta.down[part])
+    return factors
 
 
 FINGERPRINT_SAMPLES = 64

@@ -1,9 +1,11 @@
 """Flags and `--help` generated from the config sections in `trainer.config` (TOML files: `trainer.config_file`).
 
 Each field `x` of section `s` is the flag `--s.x` and the key `x` of the TOML table `[s]`; its help
-text is the field's docstring. Precedence: defaults < `--config FILE` < flags. Unknown TOML keys are
-errors (a typo never passes silently). `add_flags` is the one flag generator: the trainer's other
-commands (`trainer/push.py`, `python -m sd3_testbed.pretrain`) build their flags with it too.
+text is the field's docstring. Precedence: defaults < `--config FILE` < flags; a run that starts from a
+T5 weights file (`--model.start_from`) takes the file's `--model` settings where neither sets them (defaults
+< the file < `--config FILE` < flags). Unknown TOML keys are errors (a typo never passes silently).
+`add_flags` is the one flag generator: the trainer's other commands (`trainer/push.py`,
+`python -m sd3_testbed.pretrain`) build their flags with it too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Literal
 
 from trainer.config import TrainConfig
 from trainer.config_file import NONE, build_config, load_toml, section_types, toml_value
+from trainer.from_file import file_settings
 from trainer.presets import check_config
 
 __all__ = ["add_flags", "build_parser", "parse_args"]
@@ -147,6 +150,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     for flag, value in namespace.items():
         section, key = flag.split(".", 1)
         values.setdefault(section, {})[key] = value
+    start = values.get("model", {}).get("start_from")
+    if start:
+        # the file's recipe sits between the defaults and the TOML file
+        values["model"] = {**file_settings(start), **values["model"]}
     config = build_config(values)
     check_config(config)
     return config

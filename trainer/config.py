@@ -112,6 +112,11 @@ class ModelConfig:
     scales) and the new T5 parameters train in full. The weights file stores the deltas either way."""
     alpha: float = 0.0
     """With `--model.rank r`: the low-rank delta is scaled by alpha / r; 0 = r (scale 1)."""
+    start_from: str = ""
+    """A T5 weights file (format 4) to start from instead of fresh T5 modules, to adapt it to this base (a
+    fine-tune of the base it was trained on, say): the base is converted with it (its T5 modules, its deltas
+    added); its T5 settings, layers, `trainable` and `rank` are the run's unless given, and must agree; the
+    exported file holds its changes and the run's as deltas against this base."""
 
     def t5_config(self) -> T5Config:
         """The T5 settings of this section (its fields named in `t5core.config.T5_SETTINGS`) as a `T5Config`;
@@ -488,6 +493,16 @@ class TrainConfig:
             "training.steps",
             "is 0 and so is --transfer.steps: nothing would train. Give either a positive number of steps.",
         )
+        # Both compare with the converted modules' softmax attention on the inherited weights as they are, which a
+        # start file's deltas have moved away from the base's.
+        compared = {"transfer.steps": self.transfer.steps > 0, "validation.enabled": self.validation.enabled}
+        for flag, used in compared.items():
+            _require(
+                not (used and self.model.start_from),
+                flag,
+                "compares with the base's softmax attention, which a run that starts from a file (--model.start_from) "
+                "does not have: its inherited weights start with the file's deltas. Leave it off for such a run.",
+            )
 
     @staticmethod
     def sections() -> tuple[str, ...]:

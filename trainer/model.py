@@ -24,7 +24,9 @@ from t5core.config import BaseArch
 from t5core.deltas import fingerprint
 from t5core.hosts.diffusers import T5Handle, arch_of, linearize
 from t5core.sd3_keys import diffusers_module, diffusers_to_sd3
+from t5core.weights import T5Weights
 from trainer.config import ModelConfig, OptimConfig, TrainConfig
+from trainer.from_file import check_start, continue_factors, start_file
 from trainer.inputs.fp8 import is_scaled_fp8, read_weights
 from trainer.inputs.sources import local_base
 from trainer.low_rank import ORIGINAL, add_low_rank, factor_names, low_rank_names
@@ -261,9 +263,13 @@ def make_teacher(base: nn.Module, *, dtype: torch.dtype) -> nn.Module:
     return teacher
 
 
-def build_student(base: nn.Module, config: ModelConfig) -> T5Handle:
-    """Convert the base in place with `linearize`; the handle holds the new modules and the undo."""
-    return linearize(base, config=config.t5_config(), layers=config.layers, backend=config.backend)
+def build_student(base: nn.Module, config: ModelConfig, *, start: T5Weights | None = None) -> T5Handle:
+    """Convert the base in place with `linearize`, with fresh T5 modules or from the file `start`
+    (`--model.start_from`, `trainer.from_file`); the handle holds the new modules and the undo."""
+    if start is None:
+        return linearize(base, config=config.t5_config(), layers=config.layers, backend=config.backend)
+    check_start(start, config, arch_of(base))
+    return linearize(base, weights=start, backend=config.backend)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,9 +367,11 @@ def base_fingerprint(model: nn.Module, arch: BaseArch) -> str:
 
 
 def build_model(base: nn.Module, config: TrainConfig) -> tuple[T5Handle, ParamSplit]:
-    """Convert the base as `--model` says, let a model preset adapt the student (`ModelPreset.adapt_student`) and
-    decide what trains (with low-rank deltas under `--model.rank`); refuses a run where nothing would."""
-    handle = build_student(base, config.model)
+    """Convert the base as `--model` says (from `--model.start_from`'s file when given), let a model preset adapt
+    the student (`ModelPreset.adapt_student`) and decide what trains (with low-rank deltas under `--model.rank`,
+    continuing the file's); refuses a run where nothing would."""
+    start = start_file(config.model.start_from) if config.model.start_from else None
+    handle = build_student(base, config.model, start=start)
     if config.loss.feature_weight > 0 and not handle.modules:
         raise ValueError("--loss.feature_weight aligns converted modules, but --model.layers converts none.")
     preset = get_preset(config.model.base)
@@ -371,6 +379,8 @@ def build_model(base: nn.Module, config: TrainConfig) -> tuple[T5Handle, ParamSp
     split = split_parameters(handle, config.model, config.optim, adapted=adapted, unused=unused)
     if config.model.rank and split.inherited:
         split = _with_low_rank(handle, split, config.model)
+        if start is not None:
+            continue_factors(handle, start.deltas, split.low_rank)
     if not split.new and not split.inherited:
         raise ValueError(
             f"nothing would train: --model.layers {config.model.layers!r} converts no module and --model.trainable "

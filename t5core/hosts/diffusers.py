@@ -14,7 +14,7 @@ import copy
 import functools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -114,6 +114,12 @@ class T5Handle:
         """The new parameters (fast weights and locality convs) of every converted module."""
         for module in self.modules.values():
             yield from module.parameters()
+
+    def base_values(self, names: Iterable[str]) -> dict[str, Tensor]:
+        """The named diffusers tensors as the model had them before the conversion: a weights file's base
+        tensors and deltas taken off (what `remove` restores), the tensors it did not change as they are."""
+        tensors = _tensors(self.model)
+        return {name: (self._originals[name] if name in self._originals else tensors[name]).detach() for name in names}
 
     @contextlib.contextmanager
     def softmax(self) -> Iterator[None]:

@@ -1,6 +1,6 @@
 """`experiments/reuse.py` end to end on a handful of samples: a toy delta file from a short trainer run, a
-one-step fine-tune of the teacher, every row of the comparison, the absolute-value file it builds and the
-file of the same recipe trained on the fine-tune.
+one-step fine-tune of the teacher, every row of the comparison, the absolute-value file it builds, the
+file of the same recipe trained on the fine-tune and the file adapted to the fine-tune.
 
 The script runs as a subprocess: tests do not import `experiments/`.
 """
@@ -30,6 +30,7 @@ from trainer.train import run as train
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = 3
 ROWS = ["teacher", "teacher+deltas", "finetune", "finetune+deltas", "finetune+absolute", "finetune+own"]
+ROWS += ["finetune+adapted-1"]
 RECIPE = ["--model.layers", "all", "--model.joint_mode", "hybrid", "--model.rank", "4", "--transfer.steps", "1"]
 RECIPE += ["--training.steps", "1", "--training.batch_size", "2"]
 
@@ -37,7 +38,7 @@ RECIPE += ["--training.steps", "1", "--training.batch_size", "2"]
 def _reuse(t5_file: Path, folder: Path, recipe: list[str]) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "experiments.reuse", "--t5-file", str(t5_file), "--samples", str(SAMPLES)]
     command += ["--seeds", "0", "1", "--finetune-steps", "1", "--results-dir", str(folder)]
-    command += ["--own", "--recipe", shlex.join(recipe)]
+    command += ["--own", "--recipe", shlex.join(recipe), "--adapt", "1", "--adapt-recipe", "--training.batch_size 2"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
@@ -60,7 +61,7 @@ def test_every_row_is_scored_on_the_same_samples_with_paired_intervals(reuse):
     result = json.loads((folder / "reuse.json").read_text())
     rows = {row["row"]: row for row in result["rows"]}
     assert list(rows) == ROWS
-    assert [rows[name]["palette"] for name in ROWS] == ["default"] * 2 + ["rotated"] * 4
+    assert [rows[name]["palette"] for name in ROWS] == ["default"] * 2 + ["rotated"] * 5
     for row in rows.values():
         hits = row["hits"]
         assert set(hits) == {"color", "shape", "position", "size", "overall"}
@@ -77,6 +78,9 @@ def test_every_row_is_scored_on_the_same_samples_with_paired_intervals(reuse):
         ("finetune+own", "finetune"),
         ("finetune+deltas", "finetune+absolute"),
         ("finetune+deltas", "finetune+own"),
+        ("finetune+adapted-1", "finetune"),
+        ("finetune+adapted-1", "finetune+deltas"),
+        ("finetune+adapted-1", "finetune+own"),
     }
     for (name, reference), pair in pairs.items():
         mean = (sum(rows[name]["hits"]["overall"]) - sum(rows[reference]["hits"]["overall"])) / (2 * SAMPLES)
@@ -87,7 +91,7 @@ def test_every_row_is_scored_on_the_same_samples_with_paired_intervals(reuse):
     cache = folder / ".cache"
     assert len(list(cache.glob("finetune-*.safetensors"))) == 1
     assert len(list(cache.glob("softmax-*-seed1-3-raw.safetensors"))) == 2
-    assert len(list(cache.glob("t5-*-on-*-seed1-3-raw.safetensors"))) == 4
+    assert len(list(cache.glob("t5-*-on-*-seed1-3-raw.safetensors"))) == 5
 
 
 def test_the_own_file_is_the_same_recipe_trained_on_the_fine_tune(reuse):
@@ -104,6 +108,21 @@ def test_the_own_file_is_the_same_recipe_trained_on_the_fine_tune(reuse):
     }
     result = json.loads((folder / "reuse.json").read_text())
     assert result["meta"]["own"]["t5_sha256_16"] == sha256_file(own_path)[:16]
+
+
+def test_the_adapted_file_starts_from_the_file_and_holds_deltas_against_the_fine_tune(reuse):
+    folder, t5_file = reuse
+    (finetune,) = (folder / ".cache").glob("finetune-*.safetensors")
+    (adapted_path,) = (folder / ".cache").glob("adapted-*/t5.safetensors")
+    adapted, teacher_file = load(adapted_path), load(t5_file)
+    assert adapted.fingerprint == fingerprint(load_file(str(finetune)), toy_arch())
+    assert adapted.provenance["started_from"] == t5_file.name and adapted.provenance["steps"] == "1"
+    assert adapted.config == teacher_file.config and adapted.deltas.keys() == teacher_file.deltas.keys()
+    assert {key: delta.rank for key, delta in adapted.deltas.items()} == {
+        key: delta.rank for key, delta in teacher_file.deltas.items()
+    }
+    result = json.loads((folder / "reuse.json").read_text())
+    assert result["meta"]["adapted"]["t5_sha256_16"] == {"1": sha256_file(adapted_path)[:16]}
 
 
 def test_a_recipe_that_did_not_make_the_file_is_refused_before_sampling(reuse):

@@ -370,6 +370,10 @@ def test_deltas_give_the_outputs_of_the_weights_with_the_deltas_added_and_undo_i
     with caplog.at_level(logging.WARNING):
         handle = linearize(model, weights=path)
     assert caplog.records == [], "the model is the file's base: its fingerprint matches"
+    # the base's values: those the file changed as they were, the others as they are
+    untouched = next(name for name in state if name not in low_rank and name not in full)
+    base_values = handle.base_values([*low_rank, *full, untouched])
+    assert all(torch.equal(value, state[name]) for name, value in base_values.items())
     params = dict(model.named_parameters())
     for name, tensor in dict(expected_model.named_parameters()).items():
         if ".processor." not in name:

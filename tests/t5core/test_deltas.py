@@ -9,6 +9,7 @@ from t5core.deltas import (
     Delta,
     TensorsOnRead,
     diffusers_deltas,
+    diffusers_factors,
     fingerprint,
     fingerprint_keys,
     sd3_deltas,
@@ -121,6 +122,27 @@ def test_renamed_tensors_keep_their_form_and_come_back_dense_under_their_diffuse
     for name, tensor in expected.items():
         assert back[name].dtype == torch.float32
         torch.testing.assert_close(back[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_low_rank_deltas_give_back_the_diffusers_factors_they_were_made_of():
+    low_rank = {"transformer_blocks.0.attn2.to_out.0.weight": _factors(HIDDEN, HIDDEN, 2, 3)}
+    low_rank |= {SWAPPED + ".weight": _factors(32, 16, 2, 4)}
+    low_rank |= {name: _factors(HIDDEN, HIDDEN, 2, seed) for seed, name in enumerate(QKV, start=10)}
+    full = {"transformer_blocks.0.attn2.to_out.0.bias": torch.randn(HIDDEN)}
+    deltas = sd3_deltas(full, low_rank, ARCH)
+    back = diffusers_factors(deltas, ARCH)
+    # the full delta is left out; the fused qkv's parts and the swapped halves come back as they were given
+    assert back.keys() == low_rank.keys()
+    for name, (up, down) in low_rank.items():
+        assert torch.equal(back[name][0], up) and torch.equal(back[name][1], down), name
+
+
+def test_a_delta_changes_dtype_in_every_form():
+    for delta in (Delta(diff=torch.randn(3, 4)), Delta(up=torch.randn(3, 5, 2), down=torch.randn(3, 2, 7))):
+        half = delta.to(torch.float16)
+        assert half.stored().keys() == delta.stored().keys()
+        assert all(t.dtype == torch.float16 for t in half.stored().values())
+        torch.testing.assert_close(half.full(), delta.full(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize(

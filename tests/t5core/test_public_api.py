@@ -48,6 +48,7 @@ def test_the_deltas_module_lists_its_public_names():
         "Delta",
         "TensorsOnRead",
         "diffusers_deltas",
+        "diffusers_factors",
         "fingerprint",
         "fingerprint_keys",
         "sd3_deltas",

@@ -72,6 +72,20 @@ def _losses(out: Path) -> list[float]:
     return [line["loss/total"] for line in read_metrics(out / "metrics.jsonl")]
 
 
+def _assert_same_file(out: Path, reference_run: Path) -> dict[str, torch.Tensor]:
+    """The weights file of run `out` matches that of `reference_run` tensor by tensor; returns the reference's."""
+    reference, exported = load_file(str(reference_run / "t5.safetensors")), load_file(str(out / "t5.safetensors"))
+    assert exported.keys() == reference.keys()
+    # AdamW divides each gradient element by its running RMS, so an element whose gradient is near zero
+    # carries the reordering noise into its update (1.8e-6 on one element of 512, seen on an AMD EPYC);
+    # atol is a tenth of one step of a new T5 parameter (lr 1e-4), so a wrong update still fails
+    for key in reference:
+        torch.testing.assert_close(
+            exported[key], reference[key], rtol=1e-4, atol=1e-5, msg=lambda message, key=key: f"{key}: {message}"
+        )
+    return reference
+
+
 @pytest.mark.parametrize(
     ("mode", "extra", "interrupted"),
     [
@@ -92,15 +106,7 @@ def test_two_processes_match_one(inputs, single, tmp_path, mode, extra, interrup
     _torchrun(flags)
     # Same global batch, noise and init; only the order of floating-point sums differs (fp32).
     torch.testing.assert_close(_losses(out), _losses(single), rtol=1e-5, atol=1e-6)
-    reference, exported = load_file(str(single / "t5.safetensors")), load_file(str(out / "t5.safetensors"))
-    assert exported.keys() == reference.keys()
-    # AdamW divides each gradient element by its running RMS, so an element whose gradient is near zero
-    # carries the reordering noise into its update (1.8e-6 on one element of 512, seen on an AMD EPYC);
-    # atol is a tenth of one step of a new T5 parameter (lr 1e-4), so a wrong update still fails
-    for key in reference:
-        torch.testing.assert_close(
-            exported[key], reference[key], rtol=1e-4, atol=1e-5, msg=lambda message, key=key: f"{key}: {message}"
-        )
+    _assert_same_file(out, single)
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["t5.safetensors"]
     assert not list(out.rglob("*.tmp"))
 
@@ -135,12 +141,33 @@ def test_low_rank_and_transfer_over_two_processes_match_one(inputs, single_low_r
         rtol=1e-5,
         atol=1e-6,
     )
-    reference, exported = load_file(str(single_low_rank / "t5.safetensors")), load_file(str(out / "t5.safetensors"))
-    assert exported.keys() == reference.keys() and any(key.endswith(".up") for key in reference)
-    for key in reference:
-        torch.testing.assert_close(
-            exported[key], reference[key], rtol=1e-4, atol=1e-5, msg=lambda message, key=key: f"{key}: {message}"
-        )
+    assert any(key.endswith(".up") for key in _assert_same_file(out, single_low_rank))
+
+
+@pytest.fixture(scope="module")
+def single_from_file(inputs, single_low_rank):
+    out = inputs["root"] / "from-file-single"
+    _launch([sys.executable, RUN, *_from_file_flags(inputs, single_low_rank, out)])
+    return out
+
+
+def _from_file_flags(inputs: dict[str, Path], start_run: Path, out: Path, *extra: str) -> list[str]:
+    # the file brings its rank (4); the transfer stays off, as a run from a file requires
+    start = str(start_run / "t5.safetensors")
+    return _flags(inputs, out, "--training.steps", "3", "--model.start_from", start, *extra)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_a_run_from_a_file_over_two_processes_stopped_and_resumed_matches_one(
+    inputs, single_low_rank, single_from_file, mode
+):
+    out = inputs["root"] / f"from-file-{mode}"
+    flags = _from_file_flags(inputs, single_low_rank, out, "--parallel.mode", mode)
+    _torchrun([*flags, "--training.max_minutes", "1e-6"])
+    assert [line["step"] for line in read_metrics(out / "metrics.jsonl")] == [1]
+    _torchrun(flags)
+    torch.testing.assert_close(_losses(out), _losses(single_from_file), rtol=1e-5, atol=1e-6)
+    assert any(key.endswith(".up") for key in _assert_same_file(out, single_from_file))
 
 
 # Runs the trainer with its step-2 checkpoint save followed by a hang, so the test kills a run that

@@ -211,7 +211,10 @@ def _meta_counts(transformer: dict, config: TrainConfig) -> tuple[ParamCounts, T
 
     with torch.device("meta"):
         base = SD3Transformer2DModel.from_config(transformer)
-    handle, split = build_model(base, config)
+    # a start file (`--model.start_from`) has the shapes of fresh modules and factors of its recipe, and a meta
+    # model has no values to add its deltas to
+    fresh = dataclasses.replace(config.model, start_from="")
+    handle, split = build_model(base, dataclasses.replace(config, model=fresh))
     return count_parameters(handle, split), handle
 
 

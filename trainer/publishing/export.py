@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ from t5core.sd3_keys import key_rules
 from t5core.weights import save
 from trainer.config import OutputConfig, TrainConfig
 from trainer.distributed import World
+from trainer.from_file import carried_deltas, start_file
 from trainer.low_rank import factor_names
 from trainer.model import ParamSplit, base_checkpoint_dtype
 from trainer.publishing.hub import HubTarget, push_to_hub
@@ -99,10 +100,13 @@ class BaseRecord:
             when it is given another base (a fine-tune of it, say).
         originals: the base values of the inherited parameters that train in full, on the CPU in the
             base checkpoint's precision (which holds them exactly); their change is a full delta.
+        carried: the deltas of a run's start file (`--model.start_from`) of tensors the run does not train,
+            exported as they are (`trainer.from_file.carried_deltas`).
     """
 
     fingerprint: str
     originals: dict[str, Tensor]
+    carried: dict[str, Delta] = field(default_factory=dict)
 
 
 def record_base(
@@ -114,7 +118,11 @@ def record_base(
     dtype = base_checkpoint_dtype(config.model)
     params = dict(handle.model.named_parameters())
     full = [name for name in split.inherited if name in params and not _is_factor(name)]
-    return BaseRecord(fingerprint, {name: params[name].detach().to("cpu", dtype, copy=True) for name in full})
+    originals = {name: value.to("cpu", dtype, copy=True) for name, value in handle.base_values(full).items()}
+    if not config.model.start_from:
+        return BaseRecord(fingerprint, originals)
+    start = start_file(config.model.start_from)
+    return BaseRecord(fingerprint, originals, carried_deltas(start.deltas, split.inherited, handle.arch))
 
 
 def _is_factor(name: str) -> bool:
@@ -153,7 +161,8 @@ def _deltas(
     low_rank = {name: factors for name, factors in low_rank.items() if factors[0].any()}
     complete_fused(low_rank, full, handle.arch)
     low_rank = {name: (up.to(dtype), down.to(dtype)) for name, (up, down) in low_rank.items()}
-    return sd3_deltas({name: diff.to(dtype) for name, diff in full.items()}, low_rank, handle.arch)
+    carried = {key: delta.to(dtype) for key, delta in record.carried.items()}
+    return carried | sd3_deltas({name: diff.to(dtype) for name, diff in full.items()}, low_rank, handle.arch)
 
 
 def export_run(
@@ -197,6 +206,7 @@ def export_run(
         "data": config.data.source,
         "loss_weights": {key: getattr(config.loss, f"{key}_weight") for key in ("flow", "distill", "feature")},
         "delta_dtype": dtype_name,
+        **({"started_from": Path(config.model.start_from).name} if config.model.start_from else {}),
     }
     save(
         path,
