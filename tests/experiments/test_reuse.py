@@ -94,15 +94,22 @@ def test_every_row_is_scored_on_the_same_samples_with_paired_intervals(reuse):
     assert len(list(cache.glob("t5-*-on-*-seed1-3-raw.safetensors"))) == 5
 
 
+def _made_on_the_fine_tune(folder: Path, t5_file: Path, kind: str):
+    """The `kind` file (`own`, `adapted`) cached beside the fine-tune and the teacher's file, loaded, once the former
+    is checked to record the fine-tune's fingerprint and to hold the latter's T5 config and deltas."""
+    (finetune,) = (folder / ".cache").glob("finetune-*.safetensors")
+    (path,) = (folder / ".cache").glob(f"{kind}-*/t5.safetensors")
+    made, teacher_file = load(path), load(t5_file)
+    assert made.fingerprint == fingerprint(load_file(str(finetune)), toy_arch())
+    assert made.config == teacher_file.config and made.deltas.keys() == teacher_file.deltas.keys()
+    return path, made, teacher_file
+
+
 def test_the_own_file_is_the_same_recipe_trained_on_the_fine_tune(reuse):
     """The upper bound's file: the recipe's T5 modules and deltas, its fingerprint the fine-tune's."""
     folder, t5_file = reuse
-    (finetune,) = (folder / ".cache").glob("finetune-*.safetensors")
-    (own_path,) = (folder / ".cache").glob("own-*/t5.safetensors")
-    own, teacher_file = load(own_path), load(t5_file)
-    assert own.fingerprint == fingerprint(load_file(str(finetune)), toy_arch())
+    own_path, own, teacher_file = _made_on_the_fine_tune(folder, t5_file, "own")
     assert teacher_file.fingerprint == fingerprint(load_file(str(WEIGHTS_FILE)), toy_arch())
-    assert own.config == teacher_file.config and own.deltas.keys() == teacher_file.deltas.keys()
     assert {k: v for k, v in own.provenance.items() if k != "base"} == {
         k: v for k, v in teacher_file.provenance.items() if k != "base"
     }
@@ -112,12 +119,8 @@ def test_the_own_file_is_the_same_recipe_trained_on_the_fine_tune(reuse):
 
 def test_the_adapted_file_starts_from_the_file_and_holds_deltas_against_the_fine_tune(reuse):
     folder, t5_file = reuse
-    (finetune,) = (folder / ".cache").glob("finetune-*.safetensors")
-    (adapted_path,) = (folder / ".cache").glob("adapted-*/t5.safetensors")
-    adapted, teacher_file = load(adapted_path), load(t5_file)
-    assert adapted.fingerprint == fingerprint(load_file(str(finetune)), toy_arch())
+    adapted_path, adapted, teacher_file = _made_on_the_fine_tune(folder, t5_file, "adapted")
     assert adapted.provenance["started_from"] == t5_file.name and adapted.provenance["steps"] == "1"
-    assert adapted.config == teacher_file.config and adapted.deltas.keys() == teacher_file.deltas.keys()
     assert {key: delta.rank for key, delta in adapted.deltas.items()} == {
         key: delta.rank for key, delta in teacher_file.deltas.items()
     }
