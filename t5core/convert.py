@@ -141,12 +141,14 @@ def check_fingerprint(weights: T5Weights, model_fingerprint: Callable[[], str]) 
     base = weights.provenance.get("base")
     logger.warning(
         "T5 weights %s: made for %s (fingerprint %s), but this model's fingerprint is %s; %s anyway (a file "
-        "is meant for fine-tunes of its base too), but results may differ from those it was trained for",
+        "is meant for fine-tunes of its base too), but results may differ from those it was trained for; a few "
+        "steps of `python trainer/run.py --model.start_from %s` on this model adapt the file to it",
         weights.name,
         f"base {base!r}" if base else "another base",
         weights.fingerprint,
         model,
         f"adding its {len(weights.deltas)} deltas" if weights.deltas else "using it",
+        weights.path,
     )
     return False
 
