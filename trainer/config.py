@@ -493,16 +493,14 @@ class TrainConfig:
             "training.steps",
             "is 0 and so is --transfer.steps: nothing would train. Give either a positive number of steps.",
         )
-        # Both compare with the converted modules' softmax attention on the inherited weights as they are, which a
-        # start file's deltas have moved away from the base's.
-        compared = {"transfer.steps": self.transfer.steps > 0, "validation.enabled": self.validation.enabled}
-        for flag, used in compared.items():
-            _require(
-                not (used and self.model.start_from),
-                flag,
-                "compares with the base's softmax attention, which a run that starts from a file (--model.start_from) "
-                "does not have: its inherited weights start with the file's deltas. Leave it off for such a run.",
-            )
+        _require(
+            not (self.transfer.steps > 0 and self.model.start_from),
+            "transfer.steps",
+            "trains each module's T5 parameters against its softmax attention on the base's weights, which a run "
+            "that starts from a file (--model.start_from) does not have: its inherited weights start with the "
+            "file's deltas, and its T5 parameters are the file's. Give --transfer.steps 0 (a recipe's [transfer] "
+            "section included).",
+        )
 
     @staticmethod
     def sections() -> tuple[str, ...]:

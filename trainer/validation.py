@@ -11,7 +11,9 @@ Euler, `trainer.sampling.sample`, at the base scheduler's shift, in the run's pr
 flow-matching loss on the held-out samples with fixed noise and timesteps, so `val/loss` compares across
 steps. At step 0 it does both with the softmax teacher too (`T5Handle.softmax`, while the inherited weights
 are still the base's): `val/teacher_loss`, and the teacher's latents, kept in `teacher.safetensors` for the
-grids of a resumed run. Every rank samples and measures alike (under FSDP2 each forward needs all ranks);
+grids of a resumed run. A run that starts from a file (`--model.start_from`) has no teacher: its inherited
+weights start with the file's deltas, so its grids show T5 only and its step-0 `val/loss` is the file as it
+is on this base. Every rank samples and measures alike (under FSDP2 each forward needs all ranks);
 rank 0 decodes with the VAE (fp32, on the host between validations, on the device while it decodes) and
 writes `step_NNNNNN.png` and `latest.png`: one row per prompt, the teacher's column, then T5's at the step.
 """
@@ -297,7 +299,9 @@ class Validator:
         )
         listing = [prompts.digest, settings.samples_steps, settings.guidance_scale, settings.seed, list(latent_hw)]
         self._teacher_digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
-        self._teacher_latents = self._saved_teacher() if world.is_main else None
+        # a run from a file has the file's deltas in its inherited weights from the start: no softmax teacher
+        self._with_teacher = not config.model.start_from
+        self._teacher_latents = self._saved_teacher() if world.is_main and self._with_teacher else None
         self._teacher_images: Tensor | None = None
         self._vae: nn.Module | None = None
 
@@ -307,7 +311,8 @@ class Validator:
 
     @torch.no_grad()
     def validate(self, handle: T5Handle, step: int) -> dict[str, float]:
-        """Sample and measure T5 (and at step 0 the softmax teacher) on every rank; rank 0 writes the grid.
+        """Sample and measure T5 (and at step 0 the softmax teacher, unless the run starts from a file) on every
+        rank; rank 0 writes the grid.
 
         Returns:
             `val/loss` (and at step 0 `val/teacher_loss`) when samples are held out; else nothing.
@@ -318,7 +323,7 @@ class Validator:
         metrics, teacher = {}, None
         try:
             with self.world.autocast(self.config.training.autocast_dtype):
-                if step == 0:
+                if step == 0 and self._with_teacher:
                     with handle.softmax():
                         teacher = self._sample(model)
                         metrics.update(self._loss(model, "val/teacher_loss"))
@@ -400,11 +405,12 @@ class Validator:
             return handle.get_tensor("latents")
 
     def _write(self, step: int, latents: Tensor, teacher: Tensor | None) -> None:
-        """Rank 0: keep the teacher's samples of step 0 (a fresh start also clears earlier grids), decode and
-        write the grid of `step` and `latest.png`."""
-        if teacher is not None:
+        """Rank 0: at step 0 (a fresh start) clear earlier grids and keep the teacher's samples, decode and write
+        the grid of `step` and `latest.png`."""
+        if step == 0:
             for old in self.folder.glob("step_*.png"):
                 old.unlink()
+        if teacher is not None:
             latents_file = {"latents": teacher.contiguous()}
             metadata = {"digest": self._teacher_digest}
             write_atomic(self.folder / TEACHER_FILE, lambda temp: save_file(latents_file, temp, metadata=metadata))
@@ -414,7 +420,7 @@ class Validator:
             if self._teacher_images is None:
                 self._teacher_images = self._decode(self._teacher_latents)
             columns.append(("teacher (softmax)", self._teacher_images))
-        elif step:
+        elif step and self._with_teacher:
             logger.warning(
                 "Validation: no teacher samples of this run's start with these settings in %s; the grid of step %d "
                 "shows T5 only",

@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from t5core.hosts.diffusers import linearize
 from testing.trainer_assets import RECIPE_FLAGS, write_cache, write_pipeline
 from trainer.cli import parse_args
 from trainer.data import BatchPlan
@@ -183,6 +184,28 @@ def test_holding_out_too_many_samples_is_a_clear_error(inputs, tmp_path):
 def test_bad_validation_settings_name_the_flag(flags, message):
     with pytest.raises(ValueError, match=message):
         parse_args(flags)
+
+
+def test_a_run_from_a_file_validates_without_a_teacher(inputs, finished, tmp_path):
+    _, trained = finished
+    config = config_for(inputs, tmp_path, "--training.steps", "2", "--model.start_from", str(trained.weights))
+    run(config)
+    lines = {line["step"]: line for line in read_metrics(tmp_path / "metrics.jsonl")}
+    # The file's deltas are in the inherited weights from the start: no softmax teacher to sample or measure.
+    assert set(lines[0]) == {"step", "val/loss"} and "val/loss" in lines[2]
+    assert not (tmp_path / "validation" / "teacher.safetensors").exists()
+    # Step 0 measures the file as it is on this base.
+    _, batches = held_out_inputs(inputs, config)
+    as_is = linearize(load_base(config.model), weights=trained.weights).model.eval()
+    assert lines[0]["val/loss"] == pytest.approx(direct_loss(as_is, batches), rel=1e-4)
+    for step in (0, 2):
+        with Image.open(tmp_path / "validation" / grid_name(step)) as grid:
+            assert grid.size == grid_size(4, 1)  # T5's column only
+    entry = json.loads((tmp_path / "report.json").read_text())["validation"]
+    assert "teacher_loss" not in entry and (entry["start_loss"], entry["end_loss"]) == (
+        lines[0]["val/loss"],
+        lines[2]["val/loss"],
+    )
 
 
 def test_resume_reuses_the_encoded_prompts_and_the_teacher_samples(inputs, tmp_path, monkeypatch):
