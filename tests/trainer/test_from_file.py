@@ -94,6 +94,8 @@ def test_an_adapted_file_holds_deltas_against_its_new_base(assets, tmp_path, nam
     result = run(config)
     adapted, original = load(result.weights), load(assets["files"][name])
     assert adapted.fingerprint == base_fingerprint(load_base(config.model), result.handle.arch)
+    card = (tmp_path / "README.md").read_text()
+    assert f"Adapted from the T5 weights file `{assets['files'][name].name}` (`--model.start_from`)" in card
     assert adapted.deltas.keys() == original.deltas.keys()
     ranks = {key: delta.rank for key, delta in adapted.deltas.items()}
     assert ranks == {key: delta.rank for key, delta in original.deltas.items()}

@@ -66,6 +66,12 @@ def _rows(pairs: list[tuple[str, object]]) -> list[str]:
 def _base_section(model: ModelConfig, report: Mapping[str, Any], preset: ModelPreset | None) -> list[str]:
     what = preset.description if preset is not None else f"`{model.base}`"
     lines = ["## Base model", "", f"Trained from {what} (`--model.base {model.base}`).", ""]
+    if model.start_from:
+        lines += [
+            f"Adapted from the T5 weights file `{Path(model.start_from).name}` (`--model.start_from`): the run started "
+            "from its T5 modules and deltas, and this file's deltas are against the base above.",
+            "",
+        ]
     digests = report.get("base_sha256") or {}
     if digests:
         lines += ["| base file | sha256 |", "|---|---|", *(f"| `{name}` | `{sha}` |" for name, sha in digests.items())]
