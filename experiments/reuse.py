@@ -324,9 +324,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"--recipe {args.recipe!r} does not make {args.t5_file}: their provenance differs in {mismatch} "
                 "(the file's, the fine-tune's file's); give the trainer flags of the --t5-file run."
             )
+    adapt_recipe = shlex.split(args.adapt_recipe)
     for steps in args.adapt:
-        recipe = shlex.split(args.adapt_recipe)
-        files[f"adapted-{steps}"] = adapted_file(args.t5_file, steps, recipe, bases["finetune"], cfg.palette, cache)
+        files[f"adapted-{steps}"] = adapted_file(
+            args.t5_file, steps, adapt_recipe, bases["finetune"], cfg.palette, cache
+        )
     adapted, adapted_pairs = adapted_rows(args.adapt)
     rows = [row for row in (*ROWS, *adapted) if row.weights in files]
     results = {}

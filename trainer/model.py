@@ -13,20 +13,20 @@ import copy
 import json
 import logging
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from t5core.config import BaseArch
-from t5core.deltas import fingerprint
+from t5core.deltas import Delta, fingerprint
 from t5core.hosts.diffusers import T5Handle, arch_of, linearize
 from t5core.sd3_keys import diffusers_module, diffusers_to_sd3
 from t5core.weights import T5Weights
 from trainer.config import ModelConfig, OptimConfig, TrainConfig
-from trainer.from_file import check_start, continue_factors, start_file
+from trainer.from_file import carried_deltas, check_start, continue_factors, start_file
 from trainer.inputs.fp8 import is_scaled_fp8, read_weights
 from trainer.inputs.sources import local_base
 from trainer.low_rank import ORIGINAL, add_low_rank, factor_names, low_rank_names
@@ -276,12 +276,15 @@ def build_student(base: nn.Module, config: ModelConfig, *, start: T5Weights | No
 class ParamSplit:
     """Parameter names (unwrapped model) by role: the new T5 ones, trained inherited ones (the factors of
     low-rank deltas among them), frozen; and the weights that learn a low-rank delta (`--model.rank`),
-    named as the base names them (`...to_q.weight`)."""
+    named as the base names them (`...to_q.weight`). In a run from a file (`--model.start_from`),
+    `carried` holds the file's deltas of SD3 tensors none of whose parameters trains: the export writes
+    them as they are (`trainer.from_file.carried_deltas`)."""
 
     new: tuple[str, ...]
     inherited: tuple[str, ...]
     frozen: tuple[str, ...]
     low_rank: tuple[str, ...] = ()
+    carried: Mapping[str, Delta] = field(default_factory=dict, compare=False)
 
     @classmethod
     def everything(cls, model: nn.Module, *, new: Iterable[nn.Parameter] = ()) -> ParamSplit:
@@ -381,6 +384,8 @@ def build_model(base: nn.Module, config: TrainConfig) -> tuple[T5Handle, ParamSp
         split = _with_low_rank(handle, split, config.model)
         if start is not None:
             continue_factors(handle, start.deltas, split.low_rank)
+    if start is not None:
+        split = replace(split, carried=carried_deltas(start.deltas, split.inherited, handle.arch))
     if not split.new and not split.inherited:
         raise ValueError(
             f"nothing would train: --model.layers {config.model.layers!r} converts no module and --model.trainable "

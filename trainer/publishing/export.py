@@ -36,7 +36,6 @@ from t5core.sd3_keys import key_rules
 from t5core.weights import save
 from trainer.config import OutputConfig, TrainConfig
 from trainer.distributed import World
-from trainer.from_file import carried_deltas, start_file
 from trainer.low_rank import factor_names
 from trainer.model import ParamSplit, base_checkpoint_dtype
 from trainer.publishing.hub import HubTarget, push_to_hub
@@ -119,10 +118,7 @@ def record_base(
     params = dict(handle.model.named_parameters())
     full = [name for name in split.inherited if name in params and not _is_factor(name)]
     originals = {name: value.to("cpu", dtype, copy=True) for name, value in handle.base_values(full).items()}
-    if not config.model.start_from:
-        return BaseRecord(fingerprint, originals)
-    start = start_file(config.model.start_from)
-    return BaseRecord(fingerprint, originals, carried_deltas(start.deltas, split.inherited, handle.arch))
+    return BaseRecord(fingerprint, originals, dict(split.carried))
 
 
 def _is_factor(name: str) -> bool:
