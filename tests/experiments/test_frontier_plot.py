@@ -1,11 +1,20 @@
-"""The frontier picture: points are each row's means over seeds, and every recipe's line is drawn."""
+"""The frontier: points are each row's means over seeds, the table names the goals each row misses, and
+every recipe's line is drawn."""
 
 from __future__ import annotations
 
 import pytest
 from PIL import Image
 
-from experiments.frontier_plot import COLOURS, RECIPE_LINES, draw_frontier, frontier_points
+from experiments.frontier_plot import (
+    COLOURS,
+    RECIPE_LINES,
+    draw_frontier,
+    frontier_points,
+    frontier_table,
+    missed_goals,
+)
+from sd3_testbed.stats import paired_difference
 
 
 def _row(name: str, seed: int, seconds: float, toyeval: float, val_loss: float) -> dict:
@@ -42,3 +51,52 @@ def test_the_picture_draws_every_recipe(tmp_path):
     with Image.open(path) as image:
         colours = {colour for _, colour in image.convert("RGB").getcolors(maxcolors=1 << 16)}
     assert len(RECIPE_LINES) == len(COLOURS) and set(COLOURS) <= colours
+
+
+TEACHER_HITS = [1, 1, 0, 1, 0, 1, 1, 0]
+
+
+def _kept(name: str, seed: int, seconds: float, hits: list[int], val_loss: float, noise: float, token: float) -> dict:
+    """A row with per-sample hits and raw-decode background errors, as the sweep writes them."""
+    row = _row(name, seed, seconds, sum(hits) / len(hits), val_loss)
+    return row | {"hits": hits, "background_error": {"noise": noise, "token_pattern": token}}
+
+
+KEPT = [
+    _kept("teacher", 0, 3, TEACHER_HITS, 0.02, 0.010, 0.004),
+    _kept("run-paper", 0, 100, TEACHER_HITS, 0.03, 0.015, 0.006),
+    _kept("run-paper", 1, 100, [1, 1, 0, 1, 0, 1, 0, 0], 0.03, 0.014, 0.006),
+    _kept("run-all-hybrid", 0, 90, TEACHER_HITS, 0.021, 0.012, 0.005),
+    _kept("run-all-hybrid-4x", 1, 400, TEACHER_HITS, 0.021, 0.012, 0.005),
+    _kept("run-all-hybrid-4x", 0, 400, [1, 1, 1, 1, 1, 1, 1, 1], 0.023, 0.013, 0.003),
+]
+
+
+def test_points_pair_each_row_with_the_teacher_by_seed():
+    points, _ = frontier_points(KEPT)
+    wide = points["run-all-hybrid-4x"]
+    assert wide.seeds == (0, 1)
+    assert wide.paired == paired_difference([[1] * 8, TEACHER_HITS], TEACHER_HITS)
+    assert wide.loss_ratios == pytest.approx((1.15, 1.05)) and wide.noise_ratios == pytest.approx((1.3, 1.2))
+    assert wide.token_ratios == pytest.approx((0.75, 1.25))
+
+
+def test_the_goals_missed_are_named_and_the_time_goal_is_the_default_runs():
+    points, teacher = frontier_points(KEPT)
+    # the teacher's own hits: the interval is [0, 0]; loss 1.05x, noise 1.2x, token 1.25x are within the goals
+    assert missed_goals(points["run-all-hybrid"], budget_seconds=100) == []
+    assert missed_goals(points["run-all-hybrid"], budget_seconds=80) == ["time"]
+    assert missed_goals(points["run-paper"], budget_seconds=100) == ["ToyEval", "val loss", "noise", "token pattern"]
+    # noise 1.25x on average (1.3 and 1.2) is at the goal; the loss (1.10x) too
+    assert missed_goals(points["run-all-hybrid-4x"], budget_seconds=None) == []
+    table = frontier_table(points, teacher)
+    hybrid = "| run-all-hybrid | 0 | 90 (0.90x) | 0.625 | +0.000 [+0.000, +0.000] | 1.05x | 1.20x | 1.25x | none |"
+    assert hybrid in table
+    wide = "| run-all-hybrid-4x | 0, 1 | 400 (4.00x) | 0.812 | "
+    assert wide in table and "| 1.10x (1.05-1.15) | 1.25x (1.20-1.30) | 1.00x (0.75-1.25) | time |" in table
+
+
+def test_teacher_rows_of_different_evaluations_are_refused():
+    other = _kept("teacher", 0, 3, [0] * 8, 0.02, 0.010, 0.004)
+    with pytest.raises(ValueError, match="different evaluations"):
+        frontier_points([*KEPT, other])
