@@ -21,7 +21,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont
 
 from experiments import RESULTS_DIR
-from sd3_testbed.stats import PairedDifference, paired_difference
+from sd3_testbed.stats import PairedDifference, paired_difference, paired_runs
 
 __all__ = [
     "GOALS",
@@ -34,10 +34,12 @@ __all__ = [
     "missed_goals",
 ]
 
+DEFAULT_ROW = "run-paper"
+"""The default run's row: the time goal, and the reference of each row's paired difference to it."""
 GOALS = {"toyeval_low": -0.02, "loss_ratio": 1.10, "noise_ratio": 1.25, "token_ratio": 1.25}
 """The toy's goals for full linear time: the paired interval's lower end against the teacher, and the
 ceilings of validation loss, background noise and token pattern over the teacher's; the time goal is the
-default run's training time (`run-paper`)."""
+default run's training time (`DEFAULT_ROW`)."""
 
 RECIPE_LINES: dict[str, tuple[str, ...]] = {
     "paper, full fine-tune (default run)": ("run-paper",),
@@ -60,8 +62,9 @@ COLOURS = ((90, 90, 90), (31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103
 @dataclass(frozen=True, slots=True)
 class Point:
     """One row over its seeds: mean training seconds, ToyEval overall and val loss over the teacher's; the
-    paired ToyEval difference against the teacher, and per seed the val loss, background noise and token
-    pattern over the teacher's (where the rows keep hits and background errors)."""
+    paired ToyEval difference against the teacher and against the default run (on the seeds both have), and
+    per seed the val loss, background noise and token pattern over the teacher's (where the rows keep hits
+    and background errors)."""
 
     row: str
     seconds: float
@@ -69,6 +72,7 @@ class Point:
     loss_ratio: float
     seeds: tuple[int, ...] = ()
     paired: PairedDifference | None = None
+    versus_default: PairedDifference | None = None
     loss_ratios: tuple[float, ...] = ()
     noise_ratios: tuple[float, ...] = ()
     token_ratios: tuple[float, ...] = ()
@@ -93,6 +97,16 @@ def _ratios(rows: list[dict], teacher: list[dict], key: str) -> tuple[float, ...
     return tuple(r["background_error"][key] / reference for r in rows)
 
 
+def _versus(rows: list[dict], reference: list[dict]) -> PairedDifference | None:
+    """`rows` minus `reference` (another row), paired on the seeds both have; None where they share no seed
+    or lack hits."""
+    hits = {r["seed"]: r["hits"] for r in reference if "hits" in r}
+    shared = [r for r in rows if r["seed"] in hits and "hits" in r]
+    if not shared:
+        return None
+    return paired_runs([r["hits"] for r in shared], [hits[r["seed"]] for r in shared])
+
+
 def frontier_points(results: list[dict]) -> tuple[dict[str, Point], float]:
     """Each trainer row's `Point` and the teacher's ToyEval, from ablation rows (one dict per row and seed).
 
@@ -104,9 +118,13 @@ def frontier_points(results: list[dict]) -> tuple[dict[str, Point], float]:
         raise ValueError("the results hold no `teacher` row: run the ablations with --rows teacher ...")
     teacher_loss = statistics.mean(r["val_loss"] for r in teacher)
     teacher_hits = _teacher_hits(teacher)
+    by_row = {
+        name: sorted((r for r in results if r["row"] == name), key=lambda r: r["seed"])
+        for name in {r["row"] for r in results} - {"teacher"}
+    }
+    default = by_row.get(DEFAULT_ROW)
     points = {}
-    for name in {r["row"] for r in results} - {"teacher"}:
-        rows = sorted((r for r in results if r["row"] == name), key=lambda r: r["seed"])
+    for name, rows in by_row.items():
         kept = teacher_hits is not None and all("hits" in r for r in rows)
         loss_ratios = tuple(r["val_loss"] / teacher_loss for r in rows)
         points[name] = Point(
@@ -116,6 +134,7 @@ def frontier_points(results: list[dict]) -> tuple[dict[str, Point], float]:
             statistics.mean(loss_ratios),
             seeds=tuple(r["seed"] for r in rows),
             paired=paired_difference([r["hits"] for r in rows], teacher_hits) if kept else None,
+            versus_default=_versus(rows, default) if default and name != DEFAULT_ROW else None,
             loss_ratios=loss_ratios,
             noise_ratios=_ratios(rows, teacher, "noise"),
             token_ratios=_ratios(rows, teacher, "token_pattern"),
@@ -146,23 +165,23 @@ def _spread(ratios: tuple[float, ...]) -> str:
 
 def frontier_table(points: dict[str, Point], teacher_toyeval: float) -> str:
     """A markdown table of `frontier_points`, in order of training time: each row's seeds, training time (and
-    over the default run's), ToyEval and its paired difference, the ratios over the teacher and the goals
-    missed."""
-    budget = points["run-paper"].seconds if "run-paper" in points else None
+    over the default run's), ToyEval and its paired differences against the teacher and the default run, the
+    ratios over the teacher and the goals missed."""
+    budget = points[DEFAULT_ROW].seconds if DEFAULT_ROW in points else None
     lines = [
         f"teacher ToyEval {teacher_toyeval:.3f}",
         "",
-        "| row | seeds | training s | ToyEval | vs teacher, paired [95% CI] | val loss / teacher's | noise / teacher's "
-        "| token pattern / teacher's | goals missed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| row | seeds | training s | ToyEval | vs teacher, paired [95% CI] | vs default run, paired "
+        "| val loss / teacher's | noise / teacher's | token pattern / teacher's | goals missed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for point in sorted(points.values(), key=lambda p: p.seconds):
         time = f"{point.seconds:.0f}" + (f" ({point.seconds / budget:.2f}x)" if budget else "")
         missed = ", ".join(missed_goals(point, budget)) or "none"
         lines.append(
             f"| {point.row} | {', '.join(map(str, point.seeds))} | {time} | {point.toyeval:.3f} | "
-            f"{point.paired or '-'} | {_spread(point.loss_ratios)} | {_spread(point.noise_ratios)} | "
-            f"{_spread(point.token_ratios)} | {missed} |"
+            f"{point.paired or '-'} | {point.versus_default or '-'} | {_spread(point.loss_ratios)} | "
+            f"{_spread(point.noise_ratios)} | {_spread(point.token_ratios)} | {missed} |"
         )
     return "\n".join(lines)
 
@@ -216,7 +235,7 @@ def draw_frontier(points: dict[str, Point], teacher_toyeval: float, path: Path) 
         "toyeval": ((min(toyevals) - 0.05, max(toyevals) + 0.05), "ToyEval overall", (teacher_toyeval,)),
         "loss_ratio": ((0.9, max(ratios) * 1.05), "val loss / teacher's", (1.0, 1.10)),
     }
-    budget = points.get("run-paper")
+    budget = points.get(DEFAULT_ROW)
     for index, (field, (y_range, title, references)) in enumerate(ranges.items()):
         to_pixel = _panel(draw, font, (index * panel_width, 0), (0, x_max), y_range, title)
         for value in references:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PairedDifference", "paired_difference"]
+__all__ = ["PairedDifference", "paired_difference", "paired_runs"]
 
 RESAMPLES = 4000
 """Bootstrap resamples: the interval's ends move by well under 0.001 between bootstrap seeds."""
@@ -22,7 +22,7 @@ RESAMPLES = 4000
 
 @dataclass(frozen=True, slots=True)
 class PairedDifference:
-    """Model minus teacher, in ToyEval units, with a 95% bootstrap interval."""
+    """Model minus teacher (or minus another trained model), in ToyEval units, with a 95% bootstrap interval."""
 
     mean: float
     low: float
@@ -50,13 +50,45 @@ def paired_difference(
     """
     if not model_hits:
         raise ValueError("paired_difference needs the hits of at least one seed.")
-    teacher = torch.tensor(list(teacher_hits), dtype=torch.float64)
     lengths = {len(hits) for hits in model_hits}
-    if lengths != {teacher.numel()}:
+    if lengths != {len(teacher_hits)}:
         raise ValueError(
-            f"every seed's hits must cover the teacher's {teacher.numel()} samples; got lengths {sorted(lengths)}."
+            f"every seed's hits must cover the teacher's {len(teacher_hits)} samples; got lengths {sorted(lengths)}."
         )
-    diffs = torch.tensor([list(hits) for hits in model_hits], dtype=torch.float64) - teacher  # (S, N)
+    return paired_runs(model_hits, [teacher_hits] * len(model_hits), resamples=resamples, seed=seed)
+
+
+def paired_runs(
+    model_hits: Sequence[Sequence[int]],
+    reference_hits: Sequence[Sequence[int]],
+    *,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> PairedDifference:
+    """The paired difference of two trained models (model minus reference) and its 95% interval: both hits
+    per seed, paired on the seed (the same training seed) and on the sample (the same caption and noise).
+
+    Args:
+        model_hits, reference_hits: per seed, in the same order of seeds, the hits (0 / 1) on the evaluation
+            samples, in order.
+        resamples, seed: as for `paired_difference`.
+
+    Raises:
+        ValueError: no seeds, unequal numbers of seeds, or hits that do not line up.
+    """
+    if not model_hits or len(model_hits) != len(reference_hits):
+        raise ValueError(
+            f"paired_runs needs the hits of the same seeds, at least one; got {len(model_hits)} and "
+            f"{len(reference_hits)}."
+        )
+    lengths = {len(hits) for hits in (*model_hits, *reference_hits)}
+    if len(lengths) != 1:
+        raise ValueError(
+            f"every seed's hits must cover the same samples as the reference's; got lengths {sorted(lengths)}."
+        )
+    diffs = torch.tensor([list(hits) for hits in model_hits], dtype=torch.float64) - torch.tensor(
+        [list(hits) for hits in reference_hits], dtype=torch.float64
+    )  # (S, N)
     seeds, samples = diffs.shape
     generator = torch.Generator().manual_seed(seed)
     seed_pick = torch.randint(seeds, (resamples, seeds), generator=generator)

@@ -14,7 +14,7 @@ from experiments.frontier_plot import (
     frontier_table,
     missed_goals,
 )
-from sd3_testbed.stats import paired_difference
+from sd3_testbed.stats import paired_difference, paired_runs
 
 
 def _row(name: str, seed: int, seconds: float, toyeval: float, val_loss: float) -> dict:
@@ -79,6 +79,9 @@ def test_points_pair_each_row_with_the_teacher_by_seed():
     assert wide.paired == paired_difference([[1] * 8, TEACHER_HITS], TEACHER_HITS)
     assert wide.loss_ratios == pytest.approx((1.15, 1.05)) and wide.noise_ratios == pytest.approx((1.3, 1.2))
     assert wide.token_ratios == pytest.approx((0.75, 1.25))
+    # against the default run on the seeds both have: seed 0 all hits against 5 of 8, seed 1 5 of 8 against 4
+    assert wide.versus_default == paired_runs([[1] * 8, TEACHER_HITS], [TEACHER_HITS, KEPT[2]["hits"]])
+    assert wide.versus_default.mean == pytest.approx(0.25) and points["run-paper"].versus_default is None
 
 
 def test_the_goals_missed_are_named_and_the_time_goal_is_the_default_runs():
@@ -90,8 +93,10 @@ def test_the_goals_missed_are_named_and_the_time_goal_is_the_default_runs():
     # noise 1.25x on average (1.3 and 1.2) is at the goal; the loss (1.10x) too
     assert missed_goals(points["run-all-hybrid-4x"], budget_seconds=None) == []
     table = frontier_table(points, teacher)
-    hybrid = "| run-all-hybrid | 0 | 90 (0.90x) | 0.625 | +0.000 [+0.000, +0.000] | 1.05x | 1.20x | 1.25x | none |"
-    assert hybrid in table
+    exact = "+0.000 [+0.000, +0.000]"
+    assert f"| run-all-hybrid | 0 | 90 (0.90x) | 0.625 | {exact} | {exact} | 1.05x | 1.20x | 1.25x | none |" in table
+    # the default run has no difference against itself
+    assert "| run-paper | 0, 1 | 100 (1.00x) | 0.562 | " in table and "| - | 1.50x (1.50-1.50) |" in table
     wide = "| run-all-hybrid-4x | 0, 1 | 400 (4.00x) | 0.812 | "
     assert wide in table and "| 1.10x (1.05-1.15) | 1.25x (1.20-1.30) | 1.00x (0.75-1.25) | time |" in table
 

@@ -13,7 +13,7 @@ from sd3_testbed.artifacts import (
     open_background_level,
     token_period_energy,
 )
-from sd3_testbed.stats import paired_difference
+from sd3_testbed.stats import paired_difference, paired_runs
 
 
 def test_paired_difference_mean_is_the_mean_of_hit_differences():
@@ -145,3 +145,16 @@ def test_artifact_measures_refuse_mismatched_sets():
         token_period_energy(torch.zeros(1, 3, 10, 10), torch.zeros(1, 3, 10, 10))
     with pytest.raises(ValueError, match="not a multiple of the token size"):
         background_error(torch.zeros(1, 3, 10, 10), torch.zeros(1, 3, 10, 10))
+
+
+def test_two_trained_models_pair_on_seed_and_sample():
+    model, reference = [[1, 1, 0, 1], [0, 1, 1, 1]], [[1, 0, 0, 1], [0, 1, 1, 0]]
+    diff = paired_runs(model, reference)
+    assert diff.mean == pytest.approx(2 / 8) and diff.seeds == 2 and diff.samples == 4
+    # against a reference whose hits are the teacher's on every seed, it is paired_difference
+    teacher = [1, 0, 1, 1]
+    assert paired_runs(model, [teacher, teacher]) == paired_difference(model, teacher)
+    with pytest.raises(ValueError, match="the same seeds"):
+        paired_runs(model, reference[:1])
+    with pytest.raises(ValueError, match="same samples"):
+        paired_runs([[1, 0]], [[1, 0, 1]])
