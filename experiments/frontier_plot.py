@@ -69,13 +69,17 @@ class Point:
     row: str
     seconds: float
     toyeval: float
-    loss_ratio: float
+    loss_ratios: tuple[float, ...]
     seeds: tuple[int, ...] = ()
     paired: PairedDifference | None = None
     versus_default: PairedDifference | None = None
-    loss_ratios: tuple[float, ...] = ()
     noise_ratios: tuple[float, ...] = ()
     token_ratios: tuple[float, ...] = ()
+
+    @property
+    def loss_ratio(self) -> float:
+        """Val loss over the teacher's, the mean over seeds."""
+        return statistics.mean(self.loss_ratios)
 
 
 def _teacher_hits(teacher: list[dict]) -> list[int] | None:
@@ -126,16 +130,14 @@ def frontier_points(results: list[dict]) -> tuple[dict[str, Point], float]:
     points = {}
     for name, rows in by_row.items():
         kept = teacher_hits is not None and all("hits" in r for r in rows)
-        loss_ratios = tuple(r["val_loss"] / teacher_loss for r in rows)
         points[name] = Point(
             name,
             statistics.mean(r["train_seconds"] for r in rows),
             statistics.mean(r["toyeval"]["overall"] for r in rows),
-            statistics.mean(loss_ratios),
+            tuple(r["val_loss"] / teacher_loss for r in rows),
             seeds=tuple(r["seed"] for r in rows),
             paired=paired_difference([r["hits"] for r in rows], teacher_hits) if kept else None,
             versus_default=_versus(rows, default) if default and name != DEFAULT_ROW else None,
-            loss_ratios=loss_ratios,
             noise_ratios=_ratios(rows, teacher, "noise"),
             token_ratios=_ratios(rows, teacher, "token_pattern"),
         )
