@@ -3,9 +3,10 @@ the teacher's) against total training time, one line per recipe, from the traine
 
     python -m experiments.frontier_plot --json ablations_frontier --out docs/toy_frontier.png
 
-Each point is one row's mean over its seeds; a recipe's line joins its rows in order of training time.
-The dashed lines are the teacher (ToyEval, and val loss 1.0x) and the goal's 1.10x; the dotted vertical
-line is the default run's training time (the `run-paper` row), the budget the goal allows. The table
+Each point is one row's mean over its seeds, its bar the paired 95% interval against the teacher (ToyEval)
+or the seeds' range (loss); a recipe's line joins its rows in order of training time. The dashed lines are
+the teacher (ToyEval, and val loss 1.0x) and the goal's 1.10x; the dotted vertical line is the default run's
+training time (the `run-paper` row), the budget the goal allows. The table
 gives each row's paired ToyEval difference against the teacher and the goals it misses
 (docs/toy.md, "Full linear time at the default budget").
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,7 @@ __all__ = [
     "frontier_table",
     "main",
     "missed_goals",
+    "nice_ticks",
 ]
 
 DEFAULT_ROW = "run-paper"
@@ -190,28 +193,39 @@ def frontier_table(points: dict[str, Point], teacher_toyeval: float) -> str:
 
 _PANEL, _MARGIN = (460, 320), (64, 36, 24, 48)
 """Plot area in pixels; margins left, top, right, bottom."""
+_BLACK, _GREY, _LIGHT = (0, 0, 0), (120, 120, 120), (160, 160, 160)
 
 
-def _panel(draw, font, origin, x_range, y_range, title):
-    """Axes with ticks; returns the data-to-pixel map of the panel."""
+def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
+    """Ticks at a round step (1, 2, 2.5 or 5 times a power of ten) covering `[low, high]`, about `count` to
+    `count + 2` of them; the first and last are the axis ends."""
+    raw = 0.75 * (high - low) / (count - 1)
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw * (1 - 1e-9))
+    start, stop = math.floor(low / step + 1e-9), math.ceil(high / step - 1e-9)
+    return [round(i * step, 9) for i in range(start, stop + 1)]
+
+
+def _panel(draw, font, origin, x_ticks, y_ticks, title):
+    """Axes with ticks at `x_ticks` and `y_ticks` (their ends are the panel's); returns the data-to-pixel map."""
     left, top = origin[0] + _MARGIN[0], origin[1] + _MARGIN[1]
     width, height = _PANEL
-    (x0, x1), (y0, y1) = x_range, y_range
+    (x0, x1), (y0, y1) = (x_ticks[0], x_ticks[-1]), (y_ticks[0], y_ticks[-1])
 
     def to_pixel(x: float, y: float) -> tuple[float, float]:
         return left + (x - x0) / (x1 - x0) * width, top + height - (y - y0) / (y1 - y0) * height
 
-    draw.rectangle((left, top, left + width, top + height), outline=(0, 0, 0))
-    for i in range(5):
-        x, y = x0 + (x1 - x0) * i / 4, y0 + (y1 - y0) * i / 4
+    draw.rectangle((left, top, left + width, top + height), outline=_BLACK)
+    for x in x_ticks:
         px, _ = to_pixel(x, y0)
+        draw.line((px, top + height, px, top + height + 4), fill=_BLACK)
+        draw.text((px - 10, top + height + 6), f"{x:g}", fill=_BLACK, font=font)
+    for y in y_ticks:
         _, py = to_pixel(x0, y)
-        draw.line((px, top + height, px, top + height + 4), fill=(0, 0, 0))
-        draw.text((px - 10, top + height + 6), f"{x:.0f}", fill=(0, 0, 0), font=font)
-        draw.line((left - 4, py, left, py), fill=(0, 0, 0))
-        draw.text((left - 40, py - 6), f"{y:.2f}", fill=(0, 0, 0), font=font)
-    draw.text((left, top - 22), title, fill=(0, 0, 0), font=font)
-    draw.text((left + width // 2 - 70, top + height + 24), "total training time (s)", fill=(0, 0, 0), font=font)
+        draw.line((left - 4, py, left, py), fill=_BLACK)
+        draw.text((left - 40, py - 6), f"{y:g}", fill=_BLACK, font=font)
+    draw.text((left, top - 22), title, fill=_BLACK, font=font)
+    draw.text((left + width // 2 - 70, top + height + 24), "total training time (s)", fill=_BLACK, font=font)
     return to_pixel
 
 
@@ -223,45 +237,79 @@ def _dashed(draw, start, end, colour, *, dash: int = 6):
         draw.line((xa + (xb - xa) * t0, ya + (yb - ya) * t0, xa + (xb - xa) * t1, ya + (yb - ya) * t1), fill=colour)
 
 
+def _toyeval_bar(point: Point) -> tuple[float, float]:
+    """The paired 95% interval against the teacher, placed around the row's ToyEval (the point alone where
+    the row keeps no hits)."""
+    if point.paired is None:
+        return point.toyeval, point.toyeval
+    return point.toyeval + point.paired.low - point.paired.mean, point.toyeval + point.paired.high - point.paired.mean
+
+
+def _loss_bar(point: Point) -> tuple[float, float]:
+    """The seeds' range of val loss over the teacher's."""
+    return min(point.loss_ratios), max(point.loss_ratios)
+
+
 def draw_frontier(points: dict[str, Point], teacher_toyeval: float, path: Path) -> Path:
-    """Write the two-panel PNG (ToyEval, val loss / teacher's against seconds) of `frontier_points`."""
+    """Write the two-panel PNG (ToyEval, val loss / teacher's against seconds) of `frontier_points`: a line
+    per recipe that has rows, each point with its bar (ToyEval: the paired 95% interval against the teacher;
+    loss: the seeds' range), the legend naming only the recipes drawn (those with a row no earlier line has)."""
+    drawn, shown = {}, set()
+    for (name, rows), colour in zip(RECIPE_LINES.items(), COLOURS, strict=True):
+        present = [r for r in rows if r in points]
+        if set(present) - shown:  # a recipe whose rows an earlier line drew already adds nothing
+            drawn[name] = colour, sorted((points[r] for r in present), key=lambda p: p.seconds)
+            shown.update(present)
     font = ImageFont.load_default()
     panel_width = _MARGIN[0] + _PANEL[0] + _MARGIN[2]
-    legend_height = 18 * len(RECIPE_LINES) + 12
+    legend_height = 18 * len(drawn) + 12
     image = Image.new("RGB", (2 * panel_width, _MARGIN[1] + _PANEL[1] + _MARGIN[3] + legend_height), "white")
     draw = ImageDraw.Draw(image)
-    x_max = max(p.seconds for p in points.values()) * 1.1
-    toyevals = [p.toyeval for p in points.values()] + [teacher_toyeval]
-    ratios = [p.loss_ratio for p in points.values()] + [1.0]
-    ranges = {
-        "toyeval": ((min(toyevals) - 0.05, max(toyevals) + 0.05), "ToyEval overall", (teacher_toyeval,)),
-        "loss_ratio": ((0.9, max(ratios) * 1.05), "val loss / teacher's", (1.0, 1.10)),
+    x_ticks = nice_ticks(0, max(p.seconds for p in points.values()) * 1.05)
+    toyevals = [v for p in points.values() for v in _toyeval_bar(p)] + [teacher_toyeval]
+    ratios = [v for p in points.values() for v in _loss_bar(p)] + [1.0, GOALS["loss_ratio"]]
+    panels = {
+        "toyeval": (
+            _toyeval_bar,
+            (min(toyevals) - 0.01, max(toyevals) + 0.01),
+            "ToyEval overall",
+            {"teacher": teacher_toyeval},
+        ),
+        "loss_ratio": (
+            _loss_bar,
+            (min(ratios) - 0.05, max(ratios) + 0.05),
+            "val loss / teacher's",
+            {
+                "teacher": 1.0,
+                "goal": GOALS["loss_ratio"],
+            },
+        ),
     }
     budget = points.get(DEFAULT_ROW)
-    for index, (field, (y_range, title, references)) in enumerate(ranges.items()):
-        to_pixel = _panel(draw, font, (index * panel_width, 0), (0, x_max), y_range, title)
-        for value in references:
-            _dashed(draw, to_pixel(0, value), to_pixel(x_max, value), (120, 120, 120))
+    for index, (field, (bar, y_range, title, references)) in enumerate(panels.items()):
+        y_ticks = nice_ticks(*y_range)
+        to_pixel = _panel(draw, font, (index * panel_width, 0), x_ticks, y_ticks, title)
+        for label, value in references.items():
+            start, end = to_pixel(x_ticks[0], value), to_pixel(x_ticks[-1], value)
+            _dashed(draw, start, end, _GREY)
+            draw.text((end[0] - 6 * len(label) - 4, end[1] - 13), label, fill=_GREY, font=font)
         if budget is not None:
-            _dashed(
-                draw,
-                to_pixel(budget.seconds, y_range[0]),
-                to_pixel(budget.seconds, y_range[1]),
-                (160, 160, 160),
-                dash=3,
-            )
-        for rows, colour in zip(RECIPE_LINES.values(), COLOURS, strict=True):
-            line = sorted((points[r] for r in rows if r in points), key=lambda p: p.seconds)
+            top, bottom = to_pixel(budget.seconds, y_ticks[-1]), to_pixel(budget.seconds, y_ticks[0])
+            _dashed(draw, bottom, top, _LIGHT, dash=3)
+            draw.text((top[0] + 4, top[1] + 4), "default run", fill=_LIGHT, font=font)
+        for colour, line in drawn.values():
             pixels = [to_pixel(p.seconds, getattr(p, field)) for p in line]
             if len(pixels) > 1:
                 draw.line(pixels, fill=colour, width=2)
-            for x, y in pixels:
+            for point, (x, y) in zip(line, pixels, strict=True):
+                (_, low), (_, high) = (to_pixel(point.seconds, v) for v in bar(point))
+                draw.line((x, low, x, high), fill=colour, width=1)
                 draw.ellipse((x - 4, y - 4, x + 4, y + 4), fill=colour)
     legend_top = _MARGIN[1] + _PANEL[1] + _MARGIN[3]
-    for index, (name, colour) in enumerate(zip(RECIPE_LINES, COLOURS, strict=True)):
+    for index, (name, (colour, _)) in enumerate(drawn.items()):
         y = legend_top + 18 * index
         draw.line((_MARGIN[0], y + 6, _MARGIN[0] + 24, y + 6), fill=colour, width=3)
-        draw.text((_MARGIN[0] + 32, y), name, fill=(0, 0, 0), font=font)
+        draw.text((_MARGIN[0] + 32, y), name, fill=_BLACK, font=font)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
     return path

@@ -3,6 +3,8 @@ every recipe's line is drawn."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from PIL import Image
 
@@ -13,6 +15,7 @@ from experiments.frontier_plot import (
     frontier_points,
     frontier_table,
     missed_goals,
+    nice_ticks,
 )
 from sd3_testbed.stats import paired_difference, paired_runs
 
@@ -51,6 +54,26 @@ def test_the_picture_draws_every_recipe(tmp_path):
     with Image.open(path) as image:
         colours = {colour for _, colour in image.convert("RGB").getcolors(maxcolors=1 << 16)}
     assert len(RECIPE_LINES) == len(COLOURS) and set(COLOURS) <= colours
+
+
+def test_the_legend_names_only_the_recipes_with_rows(tmp_path):
+    drawn = [r for r in RESULTS if not r["row"].endswith("-lr10")]
+    path = draw_frontier(*frontier_points(drawn), tmp_path / "frontier.png")
+    lr10 = list(RECIPE_LINES).index("all hybrid, transfer then rank 16, factors 10x")
+    with Image.open(path) as image:
+        colours = {colour for _, colour in image.convert("RGB").getcolors(maxcolors=1 << 16)}
+    assert COLOURS[lr10] not in colours and set(COLOURS) - {COLOURS[lr10]} <= colours
+
+
+@pytest.mark.parametrize(("low", "high"), [(0, 239), (0.59, 0.75), (0.9, 1.66), (0, 630), (0.6312, 0.6318), (3, 4e4)])
+def test_ticks_are_round_and_cover_the_range(low, high):
+    ticks = nice_ticks(low, high)
+    steps = {round(b - a, 9) for a, b in zip(ticks, ticks[1:], strict=False)}
+    assert len(steps) == 1 and ticks[0] <= low and ticks[-1] >= high and 4 <= len(ticks) <= 8
+    (step,) = steps
+    mantissa = step / 10 ** math.floor(math.log10(step))
+    assert any(math.isclose(mantissa, m) for m in (1, 2, 2.5, 5))
+    assert ticks[0] + step > low and ticks[-1] - step < high
 
 
 TEACHER_HITS = [1, 1, 0, 1, 0, 1, 1, 0]
