@@ -88,6 +88,11 @@ FRONTIER_ROWS: tuple[Row, ...] = (
     Row("run-paper", "trainer default run: paper spec, 120 full fine-tune steps (the time reference)"),
     Row("run-all-hybrid", "trainer: `all` hybrid, 120 full fine-tune steps", _ALL_HYBRID),
     Row(
+        "run-all-hybrid-1.25x",
+        "trainer: `all` hybrid, 150 full fine-tune steps (under twice the default run's time)",
+        (*_ALL_HYBRID, "--training.steps", "150"),
+    ),
+    Row(
         "run-all-hybrid-2x",
         "trainer: `all` hybrid, 240 full fine-tune steps",
         (*_ALL_HYBRID, "--training.steps", "240"),

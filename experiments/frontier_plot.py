@@ -46,7 +46,12 @@ default run's training time (`DEFAULT_ROW`)."""
 
 RECIPE_LINES: dict[str, tuple[str, ...]] = {
     "paper, full fine-tune (default run)": ("run-paper",),
-    "all hybrid, full fine-tune": ("run-all-hybrid", "run-all-hybrid-2x", "run-all-hybrid-4x"),
+    "all hybrid, full fine-tune": (
+        "run-all-hybrid",
+        "run-all-hybrid-1.25x",
+        "run-all-hybrid-2x",
+        "run-all-hybrid-4x",
+    ),
     "all hybrid, transfer then rank 16": (
         "run-all-hybrid-transfer",
         "run-all-hybrid-transfer-r16-0.5x",

@@ -8,6 +8,7 @@ import math
 import pytest
 from PIL import Image
 
+from experiments.ablations import FRONTIER_ROWS
 from experiments.frontier_plot import (
     COLOURS,
     RECIPE_LINES,
@@ -54,6 +55,11 @@ def test_the_picture_draws_every_recipe(tmp_path):
     with Image.open(path) as image:
         colours = {colour for _, colour in image.convert("RGB").getcolors(maxcolors=1 << 16)}
     assert len(RECIPE_LINES) == len(COLOURS) and set(COLOURS) <= colours
+
+
+def test_every_recipe_line_runs_through_frontier_rows():
+    frontier = {row.name for row in FRONTIER_ROWS}
+    assert all(set(rows) <= frontier for rows in RECIPE_LINES.values())
 
 
 def test_the_legend_names_only_the_recipes_with_rows(tmp_path):
