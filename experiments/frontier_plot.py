@@ -5,8 +5,9 @@ the teacher's) against total training time, one line per recipe, from the traine
 
 Each point is one row's mean over its seeds, its bar the paired 95% interval against the teacher (ToyEval)
 or the seeds' range (loss); a recipe's line joins its rows in order of training time. The dashed lines are
-the teacher (ToyEval, and val loss 1.0x) and the goal's 1.10x; the dotted vertical line is the default run's
-training time (the `run-paper` row), the budget the goal allows. The table
+the teacher (ToyEval, and val loss 1.0x) and the goal's 1.10x; the dotted vertical lines are the default run's
+training time (the `run-paper` row), the budget the goal allows, and twice it, the budget of the recipe
+shipped when no row meets the goals. The table
 gives each row's paired ToyEval difference against the teacher and the goals it misses
 (docs/toy.md, "Full linear time at the default budget").
 """
@@ -298,10 +299,12 @@ def draw_frontier(points: dict[str, Point], teacher_toyeval: float, path: Path) 
             start, end = to_pixel(x_ticks[0], value), to_pixel(x_ticks[-1], value)
             _dashed(draw, start, end, _GREY)
             draw.text((end[0] - 6 * len(label) - 4, end[1] - 13), label, fill=_GREY, font=font)
-        if budget is not None:
-            top, bottom = to_pixel(budget.seconds, y_ticks[-1]), to_pixel(budget.seconds, y_ticks[0])
-            _dashed(draw, bottom, top, _LIGHT, dash=3)
-            draw.text((top[0] + 4, top[1] + 4), "default run", fill=_LIGHT, font=font)
+        for multiple, label in ((1, "default run"), (2, "2x")) if budget is not None else ():
+            seconds = multiple * budget.seconds
+            if seconds <= x_ticks[-1]:
+                top, bottom = to_pixel(seconds, y_ticks[-1]), to_pixel(seconds, y_ticks[0])
+                _dashed(draw, bottom, top, _LIGHT, dash=3)
+                draw.text((top[0] + 4, top[1] + 4), label, fill=_LIGHT, font=font)
         for colour, line in drawn.values():
             pixels = [to_pixel(p.seconds, getattr(p, field)) for p in line]
             if len(pixels) > 1:
