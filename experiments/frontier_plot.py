@@ -7,9 +7,8 @@ Each point is one row's mean over its seeds, its bar the paired 95% interval aga
 or the seeds' range (loss); a recipe's line joins its rows in order of training time. The dashed lines are
 the teacher (ToyEval, and val loss 1.0x) and the goal's 1.10x; the dotted vertical lines are the default run's
 training time (the `run-paper` row), the budget the goal allows, and twice it, the budget of the recipe
-shipped when no row meets the goals. The table
-gives each row's paired ToyEval difference against the teacher and the goals it misses
-(docs/toy.md, "Full linear time at the default budget").
+shipped when no row meets the goals. The table gives each row's paired ToyEval difference against the
+teacher and the goals it misses (docs/toy.md, "Full linear time at the default budget").
 """
 
 from __future__ import annotations
