@@ -185,14 +185,16 @@ class T5Attention(nn.Module):
         """Attend.
 
         Args:
-            q, k, v (`Tensor`): `(B, N, H, D)` in any float dtype; N = h*w image tokens + text.
+            q, k, v (`Tensor`): `(B, N, H, D)` in any float dtype; N = h*w image tokens + text. Mixed
+                dtypes (bf16 autocast with fp32 q/k norms gives fp32 queries and keys beside bf16
+                values) attend in the widest of them.
             grid (`tuple[int, int]`, *optional*): image token grid `(h, w)`; required with locality.
             text_tokens (`int`, *optional*, defaults to 0): text tokens in the sequence.
             text_first (`bool`, *optional*, defaults to True): text before (ComfyUI) or after
                 (diffusers) the image tokens.
 
         Returns:
-            `(B, N, H, D)` in the input dtype. Each sample depends only on itself. With
+            `(B, N, H, D)` in the dtype of `q`. Each sample depends only on itself. With
             `exact_text`, the text rows are softmax attention over all tokens; with `neighborhood`,
             the image rows' T5 output is blended with neighbourhood softmax.
         """
@@ -201,6 +203,9 @@ class T5Attention(nn.Module):
                 f"T5Attention was built for {self.heads} heads x {self.head_dim}; got q with "
                 f"(H, D) = {tuple(q.shape[-2:])}."
             )
+        out_dtype = q.dtype
+        common = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        q, k, v = (x.to(common) for x in (q, k, v))
         params, layout = check_call(
             q,
             k,
@@ -220,10 +225,12 @@ class T5Attention(nn.Module):
             return out if not self.neighborhood else self._blend_neighborhood(out, q, k, v, layout)
 
         if not self.exact_text:
-            return t5_attention(q, k, v, layout)
-        if layout.text_tokens and self._merges_in_chunks(q, k, v):
-            return chunked_hybrid_attention(q, k, v, params, layout, merge_bias=self.merge_bias)
-        return hybrid_attention(q, k, v, layout, t5_attention, merge_bias=self.merge_bias)
+            out = t5_attention(q, k, v, layout)
+        elif layout.text_tokens and self._merges_in_chunks(q, k, v):
+            out = chunked_hybrid_attention(q, k, v, params, layout, merge_bias=self.merge_bias)
+        else:
+            out = hybrid_attention(q, k, v, layout, t5_attention, merge_bias=self.merge_bias)
+        return out.to(out_dtype)
 
     def _merges_in_chunks(self, q: Tensor, k: Tensor, v: Tensor) -> bool:
         """Whether a hybrid call runs as one chunked pass (`t5core.ttt_chunked.chunked_hybrid_attention`):

@@ -187,6 +187,21 @@ def test_bf16_in_bf16_out_close_to_fp32(one_pass):
     assert_close("bf16", ref, out.float(), 2e-2)
 
 
+@pytest.mark.parametrize("one_pass", [False, True], ids=["with-autograd", "one-pass"])
+@pytest.mark.parametrize("neighborhood", [0, 5], ids=["plain", "blend"])
+def test_mixed_dtypes_meet_in_the_widest(one_pass, neighborhood):
+    """Under bf16 autocast, fp32 q/k norms give fp32 queries and keys beside bf16 values."""
+    torch.manual_seed(0)
+    module = T5Attention(2, 8, backend="torch", exact_text=True, neighborhood=neighborhood)
+    q, k, v = torch.randn(3, 2, 3 * 5 + 4, 2, 8).unbind(0)
+    v = v.bfloat16()
+    with torch.set_grad_enabled(not one_pass):
+        out = module(q, k, v, grid=(3, 5), text_tokens=4)
+        ref = module(q, k, v.float(), grid=(3, 5), text_tokens=4)
+    assert out.dtype == torch.float32
+    assert_close("mixed dtypes", ref, out, 1e-6)
+
+
 @pytest.mark.parametrize("first", [True, False], ids=["text-first", "text-last"])
 def test_gradients_match_the_formula(first):
     module = _module(merge="learned")
