@@ -4,9 +4,10 @@
     python -m experiments.ablations --rows t5 no-keynorm --seeds 0 --steps 20 --eval-count 12
 
 Each row is a list of trainer flags (`python trainer/run.py`, `--model.base toy`), run by the trainer itself
-(`trainer.train.run`) on top of the sweep's budget: the default toy run's recipe (steps, batch, caption
-dropout, `OptimConfig`), which `--steps`, `--batch-size`, `--lr`, `--new-lr-mult`, `--inherited-lr-mult` and
-`--warmup` replace for every row that does not set them itself. So every row starts from the shipped softmax
+(`trainer.train.run`) on top of the sweep's budget: the paper's recipe on the toy (`PAPER_RECIPE`: the `paper`
+layers, T5 over all tokens, 120 steps; the trainer's batch, caption dropout and `OptimConfig`), which
+`--steps`, `--batch-size`, `--lr`, `--new-lr-mult`, `--inherited-lr-mult` and `--warmup` replace for every
+row that does not set them itself. So every row starts from the shipped softmax
 teacher, is converted by the trainer (or keeps softmax with `--model.layers none`, or takes a baseline of the
 toy preset: `toy-linear`, `toy-no-inherit`) and fine-tunes every parameter on the same batches with the
 trainer's loss, optimizer and schedule. The seed (`--training.seed`) fixes the T5 initialisation, the batches
@@ -79,17 +80,20 @@ class Row:
         return not self.finetune and self.flags == _SOFTMAX
 
 
+PAPER_RECIPE = ("--model.layers", "paper", "--model.joint_mode", "ttt", "--training.steps", "120")
+"""What every row starts from, under the sweep's budget and its own flags: the paper's recipe (its layers, T5
+over all tokens, 120 full fine-tune steps), pinned so that the trainer's defaults do not change a row."""
 _SOFTMAX = ("--model.layers", "none")
 _ALL = ("--model.layers", "all")
 _HYBRID = ("--model.joint_mode", "hybrid")
 _ALL_HYBRID = (*_ALL, *_HYBRID)
 _DISTILL = ("--loss.distill_weight", "1")
 FRONTIER_ROWS: tuple[Row, ...] = (
-    Row("run-paper", "trainer default run: paper spec, 120 full fine-tune steps (the time reference)"),
+    Row("run-paper", "trainer: the paper's recipe, paper spec, 120 full fine-tune steps (the time reference)"),
     Row("run-all-hybrid", "trainer: `all` hybrid, 120 full fine-tune steps", _ALL_HYBRID),
     Row(
         "run-all-hybrid-1.25x",
-        "trainer: `all` hybrid, 150 full fine-tune steps (under twice the default run's time)",
+        "trainer: `all` hybrid, 150 full fine-tune steps: the default run (under twice the paper run's time)",
         (*_ALL_HYBRID, "--training.steps", "150"),
     ),
     Row(
@@ -201,6 +205,7 @@ def train_row(row: Row, seed: int, budget: tuple[str, ...] = ()) -> tuple[nn.Mod
     with tempfile.TemporaryDirectory(prefix="t5-ablation-") as folder:
         config = parse_args(
             [
+                *PAPER_RECIPE,
                 *budget,
                 *row.flags,
                 "--training.seed", str(seed),
@@ -217,7 +222,7 @@ def train_row(row: Row, seed: int, budget: tuple[str, ...] = ()) -> tuple[nn.Mod
 def convert_row(row: Row, seed: int, budget: tuple[str, ...] = ()) -> tuple[nn.Module, tuple[str, ...], float]:
     """`row` built by the trainer's model step from the run's seed, as a run of it starts, and not trained: the
     model, its converted modules and nan for the loss."""
-    config = parse_args([*budget, *row.flags, "--training.seed", str(seed)])
+    config = parse_args([*PAPER_RECIPE, *budget, *row.flags, "--training.seed", str(seed)])
     seed_everything(config.training.seed)
     handle, _ = build_model(load_base(config.model), config)
     return handle.model.eval(), handle.config.layers, float("nan")
@@ -287,9 +292,10 @@ def _mean_sd(values: list[float], digits: int = 3) -> str:
 
 
 def recipe(budget: tuple[str, ...]) -> dict:
-    """The default toy run's recipe as the sweep's `budget` flags change it: steps, batch size, caption dropout
-    and the `OptimConfig` fields (what the results record, and what a resumed sweep must match)."""
-    config: TrainConfig = parse_args(list(budget))
+    """The rows' recipe (`PAPER_RECIPE` on the trainer's defaults) as the sweep's `budget` flags change it: steps,
+    batch size, caption dropout and the `OptimConfig` fields (what the results record, and what a resumed sweep
+    must match)."""
+    config: TrainConfig = parse_args([*PAPER_RECIPE, *budget])
     return {
         "steps": config.training.steps,
         "batch_size": config.training.batch_size,
@@ -355,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="+", default=[r.name for r in ROWS], choices=[r.name for r in ROWS])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    # Unset budget options keep the default toy run's recipe (trainer/config.py), so rows compare with it.
+    # Unset budget options keep the rows' recipe (`PAPER_RECIPE` on trainer/config.py's defaults).
     parser.add_argument("--steps", type=int, help="fine-tune steps of every row that does not set its own")
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--lr", type=float, help="base learning rate (the multipliers below scale it)")

@@ -5,10 +5,10 @@ the teacher's) against total training time, one line per recipe, from the traine
 
 Each point is one row's mean over its seeds, its bar the paired 95% interval against the teacher (ToyEval)
 or the seeds' range (loss); a recipe's line joins its rows in order of training time. The dashed lines are
-the teacher (ToyEval, and val loss 1.0x) and the goal's 1.10x; the dotted vertical lines are the default run's
+the teacher (ToyEval, and val loss 1.0x) and the goal's 1.10x; the dotted vertical lines are the paper run's
 training time (the `run-paper` row), the budget the goal allows, and twice it, the budget of the recipe
 shipped when no row meets the goals. The table gives each row's paired ToyEval difference against the
-teacher and the goals it misses (docs/toy.md, "Full linear time at the default budget").
+teacher and the goals it misses (docs/toy.md, "Full linear time at the paper run's budget").
 """
 
 from __future__ import annotations
@@ -37,15 +37,16 @@ __all__ = [
     "nice_ticks",
 ]
 
-DEFAULT_ROW = "run-paper"
-"""The default run's row: the time goal, and the reference of each row's paired difference to it."""
+PAPER_ROW = "run-paper"
+"""The paper's recipe (`paper` layers, 120 full steps): the time goal, and the reference of each row's paired
+difference to it."""
 GOALS = {"toyeval_low": -0.02, "loss_ratio": 1.10, "noise_ratio": 1.25, "token_ratio": 1.25}
 """The toy's goals for full linear time: the paired interval's lower end against the teacher, and the
 ceilings of validation loss, background noise and token pattern over the teacher's; the time goal is the
-default run's training time (`DEFAULT_ROW`)."""
+paper run's training time (`PAPER_ROW`)."""
 
 RECIPE_LINES: dict[str, tuple[str, ...]] = {
-    "paper, full fine-tune (default run)": ("run-paper",),
+    "paper, full fine-tune": ("run-paper",),
     "all hybrid, full fine-tune": (
         "run-all-hybrid",
         "run-all-hybrid-1.25x",
@@ -70,7 +71,7 @@ COLOURS = ((90, 90, 90), (31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103
 @dataclass(frozen=True, slots=True)
 class Point:
     """One row over its seeds: mean training seconds, ToyEval overall and val loss over the teacher's; the
-    paired ToyEval difference against the teacher and against the default run (on the seeds both have), and
+    paired ToyEval difference against the teacher and against the paper run (on the seeds both have), and
     per seed the val loss, background noise and token pattern over the teacher's (where the rows keep hits
     and background errors)."""
 
@@ -80,7 +81,7 @@ class Point:
     loss_ratios: tuple[float, ...]
     seeds: tuple[int, ...] = ()
     paired: PairedDifference | None = None
-    versus_default: PairedDifference | None = None
+    versus_paper: PairedDifference | None = None
     noise_ratios: tuple[float, ...] = ()
     token_ratios: tuple[float, ...] = ()
 
@@ -134,7 +135,7 @@ def frontier_points(results: list[dict]) -> tuple[dict[str, Point], float]:
         name: sorted((r for r in results if r["row"] == name), key=lambda r: r["seed"])
         for name in {r["row"] for r in results} - {"teacher"}
     }
-    default = by_row.get(DEFAULT_ROW)
+    paper = by_row.get(PAPER_ROW)
     points = {}
     for name, rows in by_row.items():
         kept = teacher_hits is not None and all("hits" in r for r in rows)
@@ -145,7 +146,7 @@ def frontier_points(results: list[dict]) -> tuple[dict[str, Point], float]:
             tuple(r["val_loss"] / teacher_loss for r in rows),
             seeds=tuple(r["seed"] for r in rows),
             paired=paired_difference([r["hits"] for r in rows], teacher_hits) if kept else None,
-            versus_default=_versus(rows, default) if default and name != DEFAULT_ROW else None,
+            versus_paper=_versus(rows, paper) if paper and name != PAPER_ROW else None,
             noise_ratios=_ratios(rows, teacher, "noise"),
             token_ratios=_ratios(rows, teacher, "token_pattern"),
         )
@@ -153,7 +154,7 @@ def frontier_points(results: list[dict]) -> tuple[dict[str, Point], float]:
 
 
 def missed_goals(point: Point, budget_seconds: float | None) -> list[str]:
-    """The `GOALS` a row misses (by its seeds' mean), and the time goal where the default run was measured; a
+    """The `GOALS` a row misses (by its seeds' mean), and the time goal where the paper run was measured; a
     goal its results cannot tell (no hits, no background errors) is not named."""
     checks = {
         "ToyEval": point.paired is not None and point.paired.low < GOALS["toyeval_low"],
@@ -175,13 +176,13 @@ def _spread(ratios: tuple[float, ...]) -> str:
 
 def frontier_table(points: dict[str, Point], teacher_toyeval: float) -> str:
     """A markdown table of `frontier_points`, in order of training time: each row's seeds, training time (and
-    over the default run's), ToyEval and its paired differences against the teacher and the default run, the
+    over the paper run's), ToyEval and its paired differences against the teacher and the paper run, the
     ratios over the teacher and the goals missed."""
-    budget = points[DEFAULT_ROW].seconds if DEFAULT_ROW in points else None
+    budget = points[PAPER_ROW].seconds if PAPER_ROW in points else None
     lines = [
         f"teacher ToyEval {teacher_toyeval:.3f}",
         "",
-        "| row | seeds | training s | ToyEval | vs teacher, paired [95% CI] | vs default run, paired "
+        "| row | seeds | training s | ToyEval | vs teacher, paired [95% CI] | vs paper run, paired "
         "| val loss / teacher's | noise / teacher's | token pattern / teacher's | goals missed |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -190,7 +191,7 @@ def frontier_table(points: dict[str, Point], teacher_toyeval: float) -> str:
         missed = ", ".join(missed_goals(point, budget)) or "none"
         lines.append(
             f"| {point.row} | {', '.join(map(str, point.seeds))} | {time} | {point.toyeval:.3f} | "
-            f"{point.paired or '-'} | {point.versus_default or '-'} | {_spread(point.loss_ratios)} | "
+            f"{point.paired or '-'} | {point.versus_paper or '-'} | {_spread(point.loss_ratios)} | "
             f"{_spread(point.noise_ratios)} | {_spread(point.token_ratios)} | {missed} |"
         )
     return "\n".join(lines)
@@ -290,7 +291,7 @@ def draw_frontier(points: dict[str, Point], teacher_toyeval: float, path: Path) 
             },
         ),
     }
-    budget = points.get(DEFAULT_ROW)
+    budget = points.get(PAPER_ROW)
     for index, (field, (bar, y_range, title, references)) in enumerate(panels.items()):
         y_ticks = nice_ticks(*y_range)
         to_pixel = _panel(draw, font, (index * panel_width, 0), x_ticks, y_ticks, title)
@@ -298,7 +299,7 @@ def draw_frontier(points: dict[str, Point], teacher_toyeval: float, path: Path) 
             start, end = to_pixel(x_ticks[0], value), to_pixel(x_ticks[-1], value)
             _dashed(draw, start, end, _GREY)
             draw.text((end[0] - 6 * len(label) - 4, end[1] - 13), label, fill=_GREY, font=font)
-        for multiple, label in ((1, "default run"), (2, "2x")) if budget is not None else ():
+        for multiple, label in ((1, "paper run"), (2, "2x")) if budget is not None else ():
             seconds = multiple * budget.seconds
             if seconds <= x_ticks[-1]:
                 top, bottom = to_pixel(seconds, y_ticks[-1]), to_pixel(seconds, y_ticks[0])

@@ -83,17 +83,19 @@ class ModelConfig:
     ones (`t5xxl_fp8_e4m3fn_scaled`) dequantized with their scales."""
     revision: str = ""
     """For a Hub repo id: the branch, tag or commit to use (empty = `main`)."""
-    layers: str = "paper"
-    """Layer spec: `paper`, `all`, `joint:18-23,attn2:0-12` or module names like `blocks.3.attn`."""
+    layers: str = "all"
+    """Layer spec: `all` (every attention module: full linear time), `paper` (the paper's choice: every
+    `attn2` and the last 5/24 of the joint blocks), `joint:18-23,attn2:0-12` or module names like
+    `blocks.3.attn`."""
     variant: Variant = "swiglu"
     """Inner model of the TTT layer."""
     key_norm_eps: float | None = 1.0
     """Key instance-norm eps; `none` disables the key norm (an ablation)."""
     locality: bool = True
     """Residual depthwise 3x3 convs on image queries and keys."""
-    joint_mode: JointMode = "ttt"
-    """How converted joint attention modules attend: `ttt` = T5 over all tokens (the paper); `hybrid` =
-    exact softmax wherever text takes part, T5 between image tokens (docs/method.md)."""
+    joint_mode: JointMode = "hybrid"
+    """How converted joint attention modules attend: `hybrid` = exact softmax wherever text takes part, T5
+    between image tokens (docs/method.md); `ttt` = T5 over all tokens (the paper)."""
     merge: Merge = "cumulant"
     """With `--model.joint_mode hybrid`: how text is weighed against images, by the cumulant estimate of
     the image softmax sum (`cumulant`) or by it plus a learned per-head correction (`learned`)."""
@@ -322,8 +324,8 @@ class TrainingConfig:
     """Micro-batches per optimizer step: each process runs `batch_size / (processes * accumulate)` samples at a
     time and adds up their gradients before one optimizer step. Lower memory for more time per step; the
     numbers are those of the whole batch at once."""
-    steps: int = 120
-    """Optimizer steps."""
+    steps: int = 150
+    """Optimizer steps (the toy's full-linear recipe: 1.25x the paper recipe's 120, docs/toy.md)."""
     max_minutes: float = 0.0
     """Training-time budget in minutes (0 = none), counted over resumes; the run stops, checkpoints and exports
     when it is spent, and a run that spent it is finished (raise it to train longer)."""

@@ -108,12 +108,12 @@ def test_points_pair_each_row_with_the_teacher_by_seed():
     assert wide.paired == paired_difference([[1] * 8, TEACHER_HITS], TEACHER_HITS)
     assert wide.loss_ratios == pytest.approx((1.15, 1.05)) and wide.noise_ratios == pytest.approx((1.3, 1.2))
     assert wide.token_ratios == pytest.approx((0.75, 1.25))
-    # against the default run on the seeds both have: seed 0 all hits against 5 of 8, seed 1 5 of 8 against 4
-    assert wide.versus_default == paired_runs([[1] * 8, TEACHER_HITS], [TEACHER_HITS, KEPT[2]["hits"]])
-    assert wide.versus_default.mean == pytest.approx(0.25) and points["run-paper"].versus_default is None
+    # against the paper run on the seeds both have: seed 0 all hits against 5 of 8, seed 1 5 of 8 against 4
+    assert wide.versus_paper == paired_runs([[1] * 8, TEACHER_HITS], [TEACHER_HITS, KEPT[2]["hits"]])
+    assert wide.versus_paper.mean == pytest.approx(0.25) and points["run-paper"].versus_paper is None
 
 
-def test_the_goals_missed_are_named_and_the_time_goal_is_the_default_runs():
+def test_the_goals_missed_are_named_and_the_time_goal_is_the_paper_runs():
     points, teacher = frontier_points(KEPT)
     # the teacher's own hits: the interval is [0, 0]; loss 1.05x, noise 1.2x, token 1.25x are within the goals
     assert missed_goals(points["run-all-hybrid"], budget_seconds=100) == []
@@ -124,7 +124,7 @@ def test_the_goals_missed_are_named_and_the_time_goal_is_the_default_runs():
     table = frontier_table(points, teacher)
     exact = "+0.000 [+0.000, +0.000]"
     assert f"| run-all-hybrid | 0 | 90 (0.90x) | 0.625 | {exact} | {exact} | 1.05x | 1.20x | 1.25x | none |" in table
-    # the default run has no difference against itself
+    # the paper run has no difference against itself
     assert "| run-paper | 0, 1 | 100 (1.00x) | 0.562 | " in table and "| - | 1.50x (1.50-1.50) |" in table
     wide = "| run-all-hybrid-4x | 0, 1 | 400 (4.00x) | 0.812 | "
     assert wide in table and "| 1.10x (1.05-1.15) | 1.25x (1.20-1.30) | 1.00x (0.75-1.25) | time |" in table

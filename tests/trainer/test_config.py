@@ -21,6 +21,14 @@ def test_defaults_are_the_toy_preset():
     assert (config.model.base, config.data.source) == ("toy", "toy")
 
 
+def test_the_default_run_is_the_measured_full_linear_row():
+    """`python trainer/run.py` trains the frontier row that ships (docs/toy.md): `all` hybrid, 150 steps."""
+    from experiments.ablations import FRONTIER_ROWS, PAPER_RECIPE
+
+    row = next(row for row in FRONTIER_ROWS if row.name == "run-all-hybrid-1.25x")
+    assert parse_args([*PAPER_RECIPE, *row.flags]) == parse_args([])
+
+
 def test_flags_override_toml_which_overrides_defaults(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('[training]\nsteps = 7\nbatch_size = 4\n[optim]\nlr = 3e-4\n[model]\nkey_norm_eps = "none"\n')
@@ -81,7 +89,9 @@ def test_bad_config_file_names_the_problem(tmp_path, toml, error, match):
         pytest.param(["--optim.lr", "-1"], r"--optim.lr: must be positive", id="negative-lr"),
         pytest.param(["--optim.beta2", "1.0"], r"--optim.beta2: must be in \[0, 1\)", id="beta2"),
         pytest.param(
-            ["--model.merge", "learned"], r"--model.merge: `learned` .* add --model.joint_mode hybrid", id="merge-ttt"
+            ["--model.merge", "learned", "--model.joint_mode", "ttt"],
+            r"--model.merge: `learned` .* add --model.joint_mode hybrid",
+            id="merge-ttt",
         ),
         pytest.param(["--loss.flow_weight", "0"], r"--loss.flow_weight: all loss weights are 0", id="no-loss"),
         pytest.param(["--data.resolution", "100"], r"--data.resolution: must be a multiple of 16", id="resolution"),
@@ -122,7 +132,8 @@ def test_shipped_recipes_parse(name, mode):
 
     path = CONFIGS_DIR.parent / f"{name}.toml"
     config = parse_args(["--config", str(path), "--model.base", "/models/sd", "--data.path", "/data/images"])
-    assert (config.parallel.mode, config.training.precision, config.model.layers) == (mode, "bf16", "paper")
+    assert (config.parallel.mode, config.training.precision) == (mode, "bf16")
+    assert (config.model.layers, config.model.joint_mode, config.training.steps) == ("all", "hybrid", 3750)
     assert config.optim.new_lr_mult == 10.0 and config.optim.inherited_lr_mult == 0.1
 
 
@@ -164,11 +175,13 @@ def test_run_checks_a_config_it_was_handed_before_any_work(tmp_path):
 
 def test_the_model_section_carries_every_t5_setting_with_t5configs_default():
     """`T5Config` is the carrier: each of its settings is a `[model]` field of the same name and default, which
-    the conversion, the resume check and the model card read by `T5_SETTINGS` (a new setting fails here first)."""
+    the conversion, the resume check and the model card read by `T5_SETTINGS` (a new setting fails here first).
+    One default differs on purpose: the library's is the paper's T5 over all tokens, the trainer's the hybrid
+    joint attention of full linear time."""
     from t5core.config import T5_SETTINGS, T5Config
     from trainer.config import ModelConfig
 
     assert T5_SETTINGS == ("variant", "key_norm_eps", "locality", "joint_mode", "merge", "neighborhood")
-    assert ModelConfig().t5_config() == T5Config()
+    assert ModelConfig().t5_config() == T5Config(joint_mode="hybrid")
     changed = ModelConfig(joint_mode="hybrid", merge="learned", neighborhood=5, key_norm_eps=None)
     assert changed.t5_config().settings() == {name: getattr(changed, name) for name in T5_SETTINGS}

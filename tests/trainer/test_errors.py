@@ -118,8 +118,8 @@ def test_failed_runs_keep_the_earlier_checkpoints(inputs, tmp_path):
         run(flags(inputs, out, "--checkpoint.resume", "never"))
     with pytest.raises(ValueError, match=r"trained with other settings: --training.seed 0 -> 1"):
         run(flags(inputs, out, "--training.seed", "1", "--training.steps", "3"))
-    with pytest.raises(ValueError, match=r"trained with other settings: --model.joint_mode 'ttt' -> 'hybrid'"):
-        run(flags(inputs, out, "--model.joint_mode", "hybrid", "--training.steps", "3"))
+    with pytest.raises(ValueError, match=r"trained with other settings: --model.joint_mode 'hybrid' -> 'ttt'"):
+        run(flags(inputs, out, "--model.joint_mode", "ttt", "--training.steps", "3"))
     with pytest.raises(ValueError, match=r"trained with other settings: --model.neighborhood 0 -> 3"):
         run(flags(inputs, out, "--model.neighborhood", "3", "--training.steps", "3"))
     with pytest.raises(FileNotFoundError):

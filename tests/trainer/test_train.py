@@ -116,7 +116,7 @@ def test_each_group_moves_with_its_own_learning_rate(inputs, tmp_path, trainable
 @pytest.mark.parametrize(
     "mode",
     [
-        pytest.param(["--model.layers", "paper"], id="paper"),
+        pytest.param(["--model.layers", "paper", "--model.joint_mode", "ttt"], id="paper"),
         pytest.param(
             ["--model.layers", "all", "--model.joint_mode", "hybrid", "--model.neighborhood", "5"], id="all-hybrid-na"
         ),
@@ -210,7 +210,8 @@ def test_toy_source_trains_and_evaluates_the_toy_base(tmp_path, precision):
     dtypes = {parameter.dtype for parameter in result.handle.model.parameters() if not parameter.requires_grad}
     assert dtypes == ({torch.bfloat16} if precision == "bf16" else {torch.float32})
     assert result.step == 1 and result.weights.is_file()
-    assert result.handle.modules.keys() == {"blocks.0.attn2", "blocks.1.attn2", "blocks.3.attn"}  # `paper`
+    assert result.handle.modules.keys() == {f"blocks.{i}.attn" for i in range(4)} | {"blocks.0.attn2", "blocks.1.attn2"}
+    assert result.handle.config.joint_mode == "hybrid"  # the default: full linear time
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report["toy_eval"]) >= {"teacher", "student", "teacher_distance"}
     assert (tmp_path / "grid.png").is_file() and "ToyEval overall" in (tmp_path / "toy_eval.md").read_text()
