@@ -79,6 +79,11 @@ class Row:
         """The shipped teacher as it is: no randomness, and its samples are the cached reference's."""
         return not self.finetune and self.flags == _SOFTMAX
 
+    def trainer_flags(self, seed: int, budget: tuple[str, ...] = ()) -> tuple[str, ...]:
+        """The trainer flags of this row on `seed`: `PAPER_RECIPE`, then the sweep's `budget`, then the row's own
+        flags (so a row's own setting wins)."""
+        return (*PAPER_RECIPE, *budget, *self.flags, "--training.seed", str(seed))
+
 
 PAPER_RECIPE = ("--model.layers", "paper", "--model.joint_mode", "ttt", "--training.steps", "120")
 """What every row starts from, under the sweep's budget and its own flags: the paper's recipe (its layers, T5
@@ -205,10 +210,7 @@ def train_row(row: Row, seed: int, budget: tuple[str, ...] = ()) -> tuple[nn.Mod
     with tempfile.TemporaryDirectory(prefix="t5-ablation-") as folder:
         config = parse_args(
             [
-                *PAPER_RECIPE,
-                *budget,
-                *row.flags,
-                "--training.seed", str(seed),
+                *row.trainer_flags(seed, budget),
                 "--output.dir", folder,
                 "--output.toy_eval_samples", "0",
                 "--output.progress", "false",
@@ -222,7 +224,7 @@ def train_row(row: Row, seed: int, budget: tuple[str, ...] = ()) -> tuple[nn.Mod
 def convert_row(row: Row, seed: int, budget: tuple[str, ...] = ()) -> tuple[nn.Module, tuple[str, ...], float]:
     """`row` built by the trainer's model step from the run's seed, as a run of it starts, and not trained: the
     model, its converted modules and nan for the loss."""
-    config = parse_args([*PAPER_RECIPE, *budget, *row.flags, "--training.seed", str(seed)])
+    config = parse_args(list(row.trainer_flags(seed, budget)))
     seed_everything(config.training.seed)
     handle, _ = build_model(load_base(config.model), config)
     return handle.model.eval(), handle.config.layers, float("nan")
