@@ -52,6 +52,12 @@ whole-image band takes the conv's own padding (no slab copy). A sequence that fi
 chunk with its text (`t5core.token_chunks`): a separate text chunk would repeat the whole chain of ops
 for a few tokens. T5's matmuls are 18 N D^2 flops per head against SDPA's 4 N^2 D, so below
 N = 4.5 D (288 tokens at D = 64) T5 does more matmul work than softmax attention.
+
+Under torch.compile the sampling path is one chunk of all heads (`_plan`, `_forward_by_heads`). Chunks and head groups
+are Python loops, which dynamo unrolls, and each writes its slice of the output in place, which inductor
+turns into one gather kernel over every slice: on a CPU that made the compiled call 2-3x slower than eager
+and its compile minutes long at 2K. One chunk holds whole-sequence temporaries instead (about as many as
+the reference path), which inductor fuses where it can.
 """
 
 from __future__ import annotations
@@ -340,8 +346,10 @@ def _forward_by_heads(
     """
     n_max = max(chunk.stop - chunk.start for chunk in plan.chunks)
     per_head = layout.batch * n_max * layout.head_dim * 4
-    # on a GPU one launch per op over all heads is better; the groups are for a CPU's caches
-    group = max(1, min(layout.heads, HEAD_GROUP_BYTES // per_head)) if q.device.type == "cpu" else layout.heads
+    # on a GPU one launch per op over all heads is better, and under torch.compile one chunk of all heads
+    # (module docstring); the groups are for a CPU's caches in eager mode
+    grouped = q.device.type == "cpu" and not torch.compiler.is_compiling()
+    group = max(1, min(layout.heads, HEAD_GROUP_BYTES // per_head)) if grouped else layout.heads
     weights = tuple(w.float() for w in params.weights)
     if group == layout.heads:
         params = T5Params(weights, params.q_conv, params.k_conv)
@@ -411,6 +419,19 @@ def records_autograd(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _plan(layout: T5Layout, tokens: int, chunk_tokens: int, *, text: bool, sampling: bool) -> TokenChunks:
+    """The chunks of a call over `tokens` tokens (with `text`, the layout's text tokens among them), of
+    `chunk_tokens` each; with nothing to differentiate (`sampling`) under torch.compile, one chunk (module
+    docstring)."""
+    return TokenChunks(
+        tokens,
+        tokens if sampling and torch.compiler.is_compiling() else chunk_tokens,
+        grid=layout.grid if layout.locality else None,
+        text_tokens=layout.text_tokens if text else 0,
+        text_first=layout.text_first,
+    )
+
+
 def _check_chunk_tokens(chunk_tokens: int) -> None:
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive int; got {chunk_tokens!r}. Use e.g. {DEFAULT_CHUNK_TOKENS}.")
@@ -427,7 +448,8 @@ def chunked_attention(
         params (`T5Params`): the fast weights and the locality convs.
         layout (`T5Layout`): grid, text layout, variant and key-norm eps of the call.
         chunk_tokens (`int`, *optional*, defaults to `DEFAULT_CHUNK_TOKENS`): tokens per chunk; with
-            locality a chunk is `max(1, chunk_tokens // w)` whole image rows.
+            locality a chunk is `max(1, chunk_tokens // w)` whole image rows. With nothing to differentiate
+            under torch.compile the call is one chunk (module docstring).
 
     Returns:
         `(B, N, H, D)` in the dtype of `q`.
@@ -436,18 +458,13 @@ def chunked_attention(
         ValueError: `chunk_tokens` is not a positive int.
     """
     _check_chunk_tokens(chunk_tokens)
-    plan = TokenChunks(
-        layout.tokens,
-        chunk_tokens,
-        grid=layout.grid if layout.locality else None,
-        text_tokens=layout.text_tokens,
-        text_first=layout.text_first,
-    )
     convs = (*(params.q_conv or (None, None)), *(params.k_conv or (None, None)))
     with torch.autocast(device_type=q.device.type, enabled=False):
-        if records_autograd(q, k, v, *convs, *params.weights):
-            return _ChunkedT5Function.apply(layout, plan, q, k, v, *convs, *params.weights)
-        return _forward_by_heads(layout, plan, q, k, v, params)
+        sampling = not records_autograd(q, k, v, *convs, *params.weights)
+        plan = _plan(layout, layout.tokens, chunk_tokens, text=True, sampling=sampling)
+        if sampling:
+            return _forward_by_heads(layout, plan, q, k, v, params)
+        return _ChunkedT5Function.apply(layout, plan, q, k, v, *convs, *params.weights)
 
 
 def t5_attention_chunked(
@@ -510,7 +527,7 @@ def chunked_hybrid_attention(
     (q_img, q_txt), (k_img, k_txt), (v_img, v_txt) = (split_image(x, text, first) for x in (q, k, v))
     out_img, out_txt = split_image(out, text, first)
     image_layout = dataclasses.replace(layout, tokens=layout.n_image, text_tokens=0)
-    plan = TokenChunks(layout.n_image, chunk_tokens, grid=layout.grid if layout.locality else None)
+    plan = _plan(layout, layout.n_image, chunk_tokens, text=False, sampling=True)
     with torch.autocast(device_type=q.device.type, enabled=False):
         out_txt.copy_(text_rows(q_txt, k, v).transpose(1, 2))
         _forward_by_heads(

@@ -10,6 +10,7 @@ tensor op), so every graph counted is one whole transformer forward.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable
 
 import pytest
@@ -17,6 +18,8 @@ import torch
 
 from t5core import T5Attention, T5Config, backend
 from t5core.hosts.diffusers import linearize
+from t5core.token_chunks import TokenChunks
+from t5core.ttt_chunked import DEFAULT_CHUNK_TOKENS
 from testing.models import tiny_inputs, tiny_transformer
 from testing.tolerances import CHUNKED_RATIO, assert_close
 
@@ -77,6 +80,36 @@ def test_attention_compiles_to_one_graph_with_eager_outputs_and_gradients(exact_
     assert "T5 attention: running the torch path because" in caplog.text
     for index, (ref, out) in enumerate(zip(want, got, strict=True)):
         assert_close(f"output and gradients [{index}]", ref, out, RATIO)
+
+
+def matmuls_in(graph: torch.fx.GraphModule) -> int:
+    targets = (operator.matmul, torch.matmul)
+    return sum(node.op == "call_function" and node.target in targets for node in graph.graph.nodes)
+
+
+@pytest.mark.parametrize("exact_text", [pytest.param(False, id="t5"), pytest.param(True, id="hybrid")])
+def test_sampling_compiles_as_one_chunk(exact_text):
+    """With nothing to differentiate, a call that eager mode runs in several chunks compiles as one (inductor
+    would turn each chunk's write into the output into one gather over every chunk): its graph holds as many
+    matmuls as a call of one chunk, and gives eager's output."""
+    torch.manual_seed(0)
+    module = T5Attention(2, 16, exact_text=exact_text)
+    counts = []
+    for side in (8, 48):
+        tokens = side * side
+        eager_chunks = len(TokenChunks(tokens, DEFAULT_CHUNK_TOKENS, grid=(side, side)).chunks)
+        assert eager_chunks == (1 if side == 8 else 2)
+        q, k, v = torch.randn(3, 1, tokens + 5, 2, 16).unbind(0)
+        kwargs = dict(grid=(side, side), text_tokens=5)
+        graphs: list[torch.fx.GraphModule] = []
+        torch._dynamo.reset()
+        with torch.no_grad():
+            want = module(q, k, v, **kwargs)
+            got = torch.compile(module, backend=counting_backend(graphs))(q, k, v, **kwargs)
+        assert len(graphs) == 1
+        counts.append(matmuls_in(graphs[0]))
+        assert_close(f"{side}x{side} compiled", want, got, RATIO)
+    assert counts[0] > 0 and counts[1] == counts[0], f"matmuls at one chunk and at two in eager mode: {counts}"
 
 
 # (batch, latent (H, W), graphs made so far): the first call is one graph; the first new resolution
