@@ -10,8 +10,9 @@ a step is one euler step with CFG 4.5, which ComfyUI runs as one model call of b
 memory short, two of batch 1 (each row records its rounds' calls). Softmax is ComfyUI's attention forced
 to SDPA; each T5 path of `--specs` is the `T5Linearize` node's output for a file of seeded random T5
 modules (`step_harness.path_layers`); `--compiled` paths also run under ComfyUI's `TorchCompileModel`
-(inductor), rows `<path>+compile`, measured whole only and their attention not timed (the probes' Python
-hooks would break the graph), each round that compiled a graph left out of the median. Before timing,
+(inductor), rows `<path>+compile`, their attention not timed (the probes' Python hooks would break the
+graph), each round that compiled a graph left out of the median; composed, each timed block is compiled
+alone with the node's settings and the rest of the step runs eager. Before timing,
 each path's step must give finite latents that differ from softmax's, and each timed block finite
 outputs, else its row says FAIL.
 
@@ -57,7 +58,10 @@ from testing import comfy_env
 from testing.models import sd35_medium_config
 
 TITLE = "SD3.5 Medium, one ComfyUI sampling step, whole model"
-_COMPILED_NOTE = "; `+compile`: under ComfyUI's TorchCompileModel (inductor), its attention not timed"
+_COMPILED_NOTE = (
+    "; `+compile`: under ComfyUI's TorchCompileModel (inductor), its attention not timed; composed, each timed "
+    "block compiled alone with the node's settings, the rest of the step eager"
+)
 COMPOSITION_GOAL = 0.05
 """Composed and measured steps must agree within 5 % where both are run, for composed times to be trusted."""
 
@@ -71,7 +75,7 @@ def parse_args(depth: int) -> argparse.Namespace:
         help="T5 paths: layer specs (t5core.layers), `<spec>-hybrid` for hybrid joint attention, a trailing "
         "`-na` for the 5x5 neighbourhood blend",
     )  # fmt: skip
-    parser.add_argument("--compiled", nargs="*", default=[], help="paths also measured compiled, at --sizes")
+    parser.add_argument("--compiled", nargs="*", default=[], help="paths also run compiled, at every size")
     parser.add_argument("--blocks", type=int, default=depth, help=f"joint blocks kept ({depth} = the whole model)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -96,8 +100,6 @@ def parse_args(depth: int) -> argparse.Namespace:
         parser.error("nothing to do: give --sizes, --compose or both.")
     if unknown := [name for name in args.compiled if name not in ["softmax", *args.specs]]:
         parser.error(f"--compiled {' '.join(unknown)}: not softmax or one of --specs ({' '.join(args.specs)}).")
-    if args.compiled and not args.sizes:
-        parser.error("--compiled paths are measured whole only: give --sizes too.")
     if any(size % 16 for size in args.sizes + args.compose):
         parser.error("sizes must be multiples of 16 px (8x VAE, 2x2 patches).")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -152,7 +154,7 @@ def main() -> None:
             composed = {
                 p.name: ComposedRun(Step(nodes, p, config, size, clock), p, shapes, memory, block_reps=args.block_reps)
                 for p in paths
-                if size in args.compose and not p.compiled
+                if size in args.compose
             }
             reference = None
             for path in paths:
@@ -277,10 +279,15 @@ def table(result: dict[str, Any]) -> list[str]:
             by_round = f"; round by round {min(rounds):.3f}-{max(rounds):.3f}" if rounds else ""
             checks.append(f"* composed / measured at {size}x{size}: {span}{by_round}")
     recompiled = [row for row in result["rows"] if any(row.get("round_graphs", ()))]
-    checks += [f"* `{r['path']}` at {r['size']}x{r['size']}: graphs compiled in timed rounds {r['round_graphs']} "
-               f"(model calls {r['round_calls']}), those rounds not in its median" for r in recompiled]  # fmt: skip
+    checks += [f"* `{r['path']}` {r['step']} at {r['size']}x{r['size']}: graphs compiled in timed rounds "
+               f"{r['round_graphs']}{_calls(r)}, those rounds not in its median" for r in recompiled]  # fmt: skip
     checks += [f"* {meta[key]}" for key in ("recomposed", "note") if key in meta]
     return [intro, "", *markdown_table(header, rows), *([""] + checks if checks else [])]
+
+
+def _calls(row: dict[str, Any]) -> str:
+    """` (model calls ...)` for a measured row, which records its rounds' model calls; "" for a composed one."""
+    return f" (model calls {row['round_calls']})" if "round_calls" in row else ""
 
 
 if __name__ == "__main__":

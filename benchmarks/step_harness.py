@@ -44,7 +44,8 @@ class StepPath:
     joint_mode: str
     patcher: Any
     compiled: bool = False
-    """Under `TorchCompileModel`: measured whole, attention not timed (the clock would break the graph)."""
+    """Under `TorchCompileModel`: attention not timed (the clock would break the graph); measured whole, or
+    composed from blocks each compiled alone (`ComposedRun`)."""
 
 
 def build_model(config: dict, blocks: int, dtype: torch.dtype):
@@ -160,6 +161,16 @@ class Step:
 
         return wrapper
 
+    def compile_blocks_alone(self) -> dict[str, Any]:
+        """Take `TorchCompileModel`'s whole-model compile off this step's patcher (a clone) and return the
+        node's `torch.compile` arguments, for a composed run that compiles each block it times alone with
+        them; the rest of the step then runs eager."""
+        import comfy.patcher_extension
+        from comfy_api.torch_helpers.torch_compile import COMPILE_KEY, TORCH_COMPILE_KWARGS
+
+        self.patcher.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, COMPILE_KEY)
+        return dict(self.patcher.model_options[TORCH_COMPILE_KWARGS])
+
     def windows(self) -> list[int]:
         """The neighbourhood windows of the T5 modules this step runs (0: no blend; none for softmax)."""
         return sorted({module.neighborhood for module in self.t5_modules})
@@ -257,6 +268,10 @@ class ComposedRun:
     kind's time in a step is the sum over the step's model calls (one of batch 2, or two of batch 1) of
     the median over that call's runs. Medians over the rounds are composed; `round_ms` also composes
     each round on its own, to compare with the whole step timed beside it.
+
+    On a compiled path each timed block runs compiled alone, with the `torch.compile` arguments of the
+    path's `TorchCompileModel` (compiled on its first run, in the warm-up), and the rest runs eager; its
+    attention is not timed. A round in which dynamo compiled a graph is left out of the medians.
     """
 
     def __init__(
@@ -279,6 +294,9 @@ class ComposedRun:
         self.finite = True
         self.ok = False
         self.peak = self.held = 0.0
+        self.round_graphs: list[int] = []  # per timed round: the graphs dynamo compiled in it
+        self.compile = step.compile_blocks_alone() if path.compiled else None
+        self._compiled: dict[int, torch.nn.Module] = {}  # block index -> the block compiled alone
         step.replace_blocks(self._replacement)
 
     def _replacement(self, index: int):
@@ -290,8 +308,17 @@ class ComposedRun:
 
         return replacement
 
+    def _block(self, index: int) -> torch.nn.Module:
+        """Joint block `index` of the running model, compiled alone on a compiled path."""
+        block = self.step.diffusion.joint_blocks[index]
+        if self.compile is None:
+            return block
+        if index not in self._compiled:
+            self._compiled[index] = torch.compile(block, **self.compile)
+        return self._compiled[index]
+
     def _run_block(self, index: int, kind: BlockKind, inputs: dict) -> None:
-        block, clock = self.step.diffusion.joint_blocks[index], self.step.clock
+        block, clock = self._block(index), self.step.clock
         outputs: tuple = ()
 
         def run() -> None:
@@ -303,7 +330,7 @@ class ComposedRun:
         for _ in range(self.block_reps):
             clock.take_ms()
             times.append(time_call(run))
-            if clock.calls != 1 + kind.shape.attn2:
+            if self.step.timed and clock.calls != 1 + kind.shape.attn2:
                 raise RuntimeError(f"block {index}: the attention clock saw {clock.calls} calls in one block call.")
             attention.append(clock.take_ms())
         self.runs[kind] += times
@@ -339,6 +366,7 @@ class ComposedRun:
             return
         clock = self.step.clock
         clock.take_ms()
+        graphs = dynamo_counters["stats"]["unique_graphs"]
         self.rest.append(time_call(self.step))
         self.rest_attention.append(clock.take_ms())
         first = len(self.rest) == 1
@@ -347,35 +375,46 @@ class ComposedRun:
         in_step = self._blocks_step()
         if first:
             self.peak, self.held = self.memory.stop_mib()
+        self.round_graphs.append(dynamo_counters["stats"]["unique_graphs"] - graphs)
         for kind, (time_ms, attention_ms) in in_step.items():
             self.per_step[kind].append(time_ms)
             self.attention_per_step[kind].append(attention_ms)
         self.round_ms.append(compose(self.rest[-1], {kind: t for kind, (t, _) in in_step.items()}, self.kinds))
 
     def result(self) -> dict[str, Any]:
+        """The composed step: medians over the rounds that compiled no graph, with every round's parts."""
         if not self.ok:
             return {"status": "FAIL"}
-        per_kind = {kind: statistics.median(times) for kind, times in self.per_step.items()}
-        attention = {kind: statistics.median(times) for kind, times in self.attention_per_step.items()}
-        rest, rest_attention = statistics.median(self.rest), statistics.median(self.rest_attention)
+        steady = [r for r, graphs in enumerate(self.round_graphs) if not graphs]
+        if not steady:
+            return {"status": "FAIL: compiled in every timed round", "round_graphs": self.round_graphs}
+
+        def median(times: list[float]) -> float:
+            return statistics.median(times[r] for r in steady)
+
+        per_kind = {kind: median(times) for kind, times in self.per_step.items()}
+        attention = {kind: median(times) for kind, times in self.attention_per_step.items()}
+        rest, rest_attention = median(self.rest), median(self.rest_attention)
         return {
             "median_ms": compose(rest, per_kind, self.kinds),
-            "attention_ms": compose(rest_attention, attention, self.kinds),
+            "attention_ms": compose(rest_attention, attention, self.kinds) if self.step.timed else None,
             "peak_mib": self.peak,
             "held_mib": self.held,
             "rest_ms": rest,
             "rest_times_ms": self.rest,
             "rest_attention_ms": rest_attention,
             "round_ms": self.round_ms,
+            "round_graphs": self.round_graphs,
+            "compiled_blocks": sorted(self._compiled),
             "block_reps": self.block_reps,
             "blocks": [
                 {
                     "kind": kind.label(),
                     "count": self.kinds.count(kind),
                     "timed_block": index,
-                    **summarize(self.per_step[kind]),
+                    **summarize([self.per_step[kind][r] for r in steady]),
                     "per_step_ms": self.per_step[kind],
-                    "attention_ms": attention[kind],
+                    "attention_ms": attention[kind] if self.step.timed else None,
                     "runs_ms": self.runs[kind],
                 }
                 for index, kind in self.timed.items()

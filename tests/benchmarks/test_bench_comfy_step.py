@@ -74,15 +74,21 @@ def test_whole_and_composed_step_at_toy_size(tmp_path):
     result = json.loads((tmp_path / "comfy_step_whole_cpu_toy.json").read_text())
     assert result["meta"]["model_calls_per_step"] == [[2]], "cond and uncond must run as one model call of batch 2"
     rows = {(row["path"], row["step"]): row for row in result["rows"]}
-    # the compiled path is measured whole only, its attention untimed, against the eager softmax step
-    compiled = rows.pop(("all-hybrid+compile", "measured"))
-    assert compiled["status"] == "ok" and compiled["compiled"] and compiled["attention_share"] is None
-    assert compiled["modules"] == 4 and compiled["windows"] == [0]
-    # its median is over the rounds that compiled no graph: the warm-up step compiled the only shape
-    assert compiled["round_graphs"] == [0, 0] and compiled["round_calls"] == [[2], [2]]
-    assert compiled["speedup_vs_softmax"] == pytest.approx(
-        rows[("softmax", "measured")]["median_ms"] / compiled["median_ms"]
-    )
+    # the compiled path, its attention untimed, against the eager softmax step: measured whole, and composed
+    # from its blocks compiled alone (one of each kind, the ones timed) beside an eager rest
+    for step in ("measured", "composed"):
+        compiled = rows.pop(("all-hybrid+compile", step))
+        assert compiled["status"] == "ok" and compiled["compiled"] and compiled["attention_share"] is None
+        assert compiled["modules"] == 4 and compiled["windows"] == [0]
+        # its median is over the rounds that compiled no graph: the warm-up step compiled the only shape
+        assert compiled["round_graphs"] == [0, 0]
+        assert compiled["speedup_vs_softmax"] == pytest.approx(
+            rows[("softmax", step)]["median_ms"] / compiled["median_ms"]
+        )
+    assert compiled["compiled_blocks"] == sorted(block["timed_block"] for block in compiled["blocks"])
+    assert {block["kind"]: block["count"] for block in compiled["blocks"]} == TOY_KINDS["all-hybrid"]
+    assert all(block["attention_ms"] is None for block in compiled["blocks"]) and compiled["attention_ms"] is None
+    assert compiled["composed_vs_measured"] > 0
     assert set(rows) == {(path, step) for path in TOY_KINDS for step in ("measured", "composed")}
     for (path, step), row in rows.items():
         assert row["status"] == "ok", row
@@ -124,4 +130,5 @@ def test_whole_and_composed_step_at_toy_size(tmp_path):
     assert "only the first 2 of SD3.5 Medium's 24 joint blocks" in report
     assert "| 64x64 | `all-hybrid` | 4 | composed |" in report
     assert "| 64x64 | `all-hybrid+compile` | 4 | measured |" in report
+    assert "| 64x64 | `all-hybrid+compile` | 4 | composed |" in report
     assert "* composed / measured at 64x64: " in report
