@@ -402,7 +402,7 @@ class ComposedRun:
             "held_mib": self.held,
             "rest_ms": rest,
             "rest_times_ms": self.rest,
-            "rest_attention_ms": rest_attention,
+            "rest_attention_ms": rest_attention if self.step.timed else None,
             "round_ms": self.round_ms,
             "round_graphs": self.round_graphs,
             "compiled_blocks": sorted(self._compiled),
