@@ -53,11 +53,11 @@ chunk with its text (`t5core.token_chunks`): a separate text chunk would repeat 
 for a few tokens. T5's matmuls are 18 N D^2 flops per head against SDPA's 4 N^2 D, so below
 N = 4.5 D (288 tokens at D = 64) T5 does more matmul work than softmax attention.
 
-Under torch.compile the sampling path is one chunk of all heads (`_plan`, `_forward_by_heads`). Chunks and head groups
-are Python loops, which dynamo unrolls, and each writes its slice of the output in place, which inductor
-turns into one gather kernel over every slice: on a CPU that made the compiled call 2-3x slower than eager
-and its compile minutes long at 2K. One chunk holds whole-sequence temporaries instead (about as many as
-the reference path), which inductor fuses where it can.
+Under torch.compile the sampling path is one chunk of all heads (`_plan`, `_forward_by_heads`). Chunks
+and head groups are Python loops, which dynamo unrolls, and each writes its slice of the output in place,
+which inductor turns into one gather kernel over every slice: a compiled call slower than the eager one,
+and a graph that grows with N (docs/comfyui.md, "With other nodes"). One chunk holds whole-sequence
+temporaries instead (about as many as the reference path), which inductor fuses where it can.
 """
 
 from __future__ import annotations
