@@ -190,6 +190,15 @@ class Step:
         return out
 
 
+_COMPILED_EVERY_ROUND = "FAIL: compiled in every timed round"
+
+
+def _steady_rounds(round_graphs: list[int]) -> list[int]:
+    """The indices of the timed rounds in which dynamo compiled no graph: the rounds a median is taken over (a
+    compiled path recompiles when ComfyUI changes how it batches cond and uncond)."""
+    return [r for r, graphs in enumerate(round_graphs) if not graphs]
+
+
 class WholeRun:
     """A path's whole step at one size, timed one step per round (`round`) after `prepare`."""
 
@@ -241,12 +250,11 @@ class WholeRun:
         changes how it batches cond and uncond), with every round's time, model calls and graphs."""
         if not self.ok:
             return {"status": "FAIL"}
-        steady = [time for time, graphs in zip(self.times, self.round_graphs, strict=True) if not graphs]
+        steady = _steady_rounds(self.round_graphs)
         if not steady:
-            return {"status": "FAIL: compiled in every timed round", "round_calls": self.round_calls,
-                    "round_graphs": self.round_graphs}  # fmt: skip
+            return {"status": _COMPILED_EVERY_ROUND, "round_calls": self.round_calls, "round_graphs": self.round_graphs}
         return {
-            **summarize(steady),
+            **summarize([self.times[r] for r in steady]),
             "times_ms": self.times,
             "round_calls": self.round_calls,
             "round_graphs": self.round_graphs,
@@ -385,9 +393,9 @@ class ComposedRun:
         """The composed step: medians over the rounds that compiled no graph, with every round's parts."""
         if not self.ok:
             return {"status": "FAIL"}
-        steady = [r for r, graphs in enumerate(self.round_graphs) if not graphs]
+        steady = _steady_rounds(self.round_graphs)
         if not steady:
-            return {"status": "FAIL: compiled in every timed round", "round_graphs": self.round_graphs}
+            return {"status": _COMPILED_EVERY_ROUND, "round_graphs": self.round_graphs}
 
         def median(times: list[float]) -> float:
             return statistics.median(times[r] for r in steady)

@@ -82,6 +82,8 @@ def test_whole_and_composed_step_at_toy_size(tmp_path):
         assert compiled["modules"] == 4 and compiled["windows"] == [0]
         # its median is over the rounds that compiled no graph: the warm-up step compiled the only shape
         assert compiled["round_graphs"] == [0, 0]
+        if step == "measured":
+            assert compiled["round_calls"] == [[2], [2]]
         assert compiled["speedup_vs_softmax"] == pytest.approx(
             rows[("softmax", step)]["median_ms"] / compiled["median_ms"]
         )
